@@ -1,0 +1,154 @@
+"""The embedded tiny model: a small Qwen2-architecture causal LM and a ChatML tokenizer, built offline.
+
+`model_path=tiny` resolves (through `resolve_model_path`) to a Hugging Face directory that this module builds
+deterministically on first use and caches, so every stage runs on a laptop or in CI with no download. The
+tokenizer is a byte-level BPE trained on a fixed corpus of the prompts' vocabulary (grid symbols such as `√`,
+digits, tags, action names), so any text round-trips through it; the model has random weights from a fixed
+seed. Build twice, get byte-identical files.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+TINY_NAME = "tiny"
+TINY_VERSION = "v1"  # bump when the recipe changes: the cache is keyed on it
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "spa_agent"
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+BOS_OR_PAD, IM_START, IM_END = SPECIAL_TOKENS
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+VOCAB_SIZE = 2048
+MODEL_SHAPE = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=8192,
+    rope_theta=10000.0,
+    tie_word_embeddings=True,
+)
+SEED = 0
+
+
+def _corpus() -> list[str]:
+    """Text the BPE merges are learned from: the words, symbols and formats our prompts contain."""
+    symbols = "# _ O √ X P S G . | ( ) , ; : [ ] = - + * / \\ ' \" ! ? < > { }"
+    tags = [
+        "<think>", "</think>", "<answer>", "</answer>", "<observation>", "</observation>",
+        "<prediction>", "</prediction>",
+    ]
+    words = (
+        "You're a helpful assistant. You are solving the Sokoban puzzle FrozenLake Sudoku game. "
+        "Turn State Reward You have actions left. Always output with no extra text. Strictly follow this "
+        "format. Max response length words tokens. The meaning of each symbol in the state is wall empty "
+        "target box on player hole goal in Your available actions are Up Down Left Right You can make up to "
+        "separated by the action separator Player (P) is at box (X) target (O) hole goal (G) Empty positions "
+        "to be filled are at position No empty positions found board might be complete current state next "
+        "state Your thoughts your answer I will push the box to the row col place value grid coordinates "
+        "range from top left bottom right zero indexed each row column and 2x2 subgrid must contain digits"
+    )
+    grids = ["######\n#O####\n#XP###\n#__###\n######", "____\n_OOP\nGO__\nO___", "| 3 2 4 1 | . 4 . . "]
+    digits = " ".join(str(i) for i in range(200)) + " -0.1 -0.30000000000000004 10.8 0.0 1.0 (3,2) (0,1)"
+    return [symbols, " ".join(tags), words, words.lower(), *grids, digits] * 4
+
+
+def _build_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE - len(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    core.train_from_iterator(_corpus(), trainer=trainer)
+    core.add_special_tokens(SPECIAL_TOKENS)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        eos_token=IM_END,
+        pad_token=BOS_OR_PAD,
+        bos_token=None,
+        unk_token=None,
+        padding_side="left",
+        model_max_length=8192,
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def _build_model(tokenizer):
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.convert_tokens_to_ids(BOS_OR_PAD),
+        eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
+        pad_token_id=tokenizer.convert_tokens_to_ids(BOS_OR_PAD),
+        **MODEL_SHAPE,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        eos_token_id=[config.eos_token_id, config.pad_token_id],
+        pad_token_id=config.pad_token_id,
+        do_sample=True,
+        temperature=1.0,
+    )
+    return model
+
+
+def build_tiny_model(output_dir: str | Path) -> Path:
+    """Build the tiny model + tokenizer into `output_dir` (written atomically: a temp dir, then a rename)."""
+    output_dir = Path(output_dir)
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".tiny-", dir=output_dir.parent))
+    try:
+        tokenizer = _build_tokenizer()
+        model = _build_model(tokenizer)
+        tokenizer.save_pretrained(staging)
+        model.save_pretrained(staging, safe_serialization=True)
+        (staging / "spa_tiny.json").write_text(json.dumps({"name": TINY_NAME, "version": TINY_VERSION}))
+        try:
+            staging.rename(output_dir)
+        except OSError:  # another process finished first: keep theirs
+            if not (output_dir / "spa_tiny.json").exists():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return output_dir
+
+
+def tiny_model_dir(cache_dir: str | Path | None = None) -> Path:
+    """Directory of the cached tiny model, building it first if needed."""
+    target = Path(cache_dir or DEFAULT_CACHE_DIR) / f"tiny-{TINY_VERSION}"
+    if not (target / "spa_tiny.json").exists():
+        build_tiny_model(target)
+    return target
+
+
+def resolve_model_path(model_path: str, cache_dir: str | Path | None = None) -> str:
+    """Map `tiny` to the embedded model's directory; any other Hub id or local path passes through unchanged."""
+    if str(model_path) == TINY_NAME:
+        return str(tiny_model_dir(cache_dir))
+    return str(model_path)
+
+
+if __name__ == "__main__":
+    print(tiny_model_dir())
