@@ -1,0 +1,223 @@
+"""PPO algorithm pieces as pure tensor functions: the StarPO-S rollout filter, rewards, advantages.
+
+Notation (spec §10.3, docs/interfaces.md "One rollout"):
+    B  trajectories in the batch (env_groups × group_size before filtering)
+    G  group_size: consecutive rows that share a seed (one puzzle)
+    T  sequence length of `input_ids`; every (B, T-1) tensor is aligned with `responses = input_ids[:, 1:]`
+    mask  `loss_mask` (B, T-1): the positions that train (the driver sets `response_mask := loss_mask`)
+
+GAE and the losses come from `verl.trainer.ppo.core_algos`; this module only adds the rollout filter and the
+bi-level GAE glue (turn-level GAE, then token-level GAE inside each turn). No models, no processes.
+"""
+
+from __future__ import annotations
+
+import torch
+from verl.trainer.ppo import core_algos
+from verl.utils import torch_functional as verl_F
+
+# --------------------------------------------------------------------------------------------------------
+# StarPO-S rollout filter (spec §10.3 step 2)
+# --------------------------------------------------------------------------------------------------------
+
+#: filter type -> group statistic to rank by, and whether the largest values are kept.
+ROLLOUT_FILTERS: dict[str, tuple[str, bool]] = {
+    "std": ("std", True),  # keep the groups whose trajectories disagree most (the paper's StarPO-S)
+    "std_rev": ("std", False),  # keep the most uniform groups
+    "max_mean": ("mean", True),  # keep the groups with the highest mean score
+}
+
+
+def group_score_stats(scores: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
+    """Per-group statistics of trajectory scores.
+
+    Args:
+        scores: (B,) one score per trajectory; rows g·G … g·G+G−1 form group g.
+        group_size: G; B must be a multiple of it.
+    Returns:
+        {"std", "max", "mean"}: each (B // G,); std is the unbiased sample std (0 for G = 1).
+    """
+    if scores.numel() % group_size:
+        raise ValueError(f"batch of {scores.numel()} trajectories is not a multiple of group_size={group_size}")
+    grouped = scores.float().view(-1, group_size)
+    std = grouped.std(dim=1, unbiased=True) if group_size > 1 else torch.zeros(grouped.shape[0])
+    return {"std": std, "max": grouped.max(dim=1).values, "mean": grouped.mean(dim=1)}
+
+
+def select_groups(stats: dict[str, torch.Tensor], ratio: float, filter_type: str) -> torch.Tensor:
+    """Indices (ascending) of the `int(ratio × n_groups)` groups kept by the filter; ties keep earlier groups."""
+    if filter_type not in ROLLOUT_FILTERS:
+        raise ValueError(f"unknown rollout_filter_type {filter_type!r}; choose one of {sorted(ROLLOUT_FILTERS)}")
+    key, keep_largest = ROLLOUT_FILTERS[filter_type]
+    n_groups = stats[key].numel()
+    n_keep = n_groups if ratio >= 1 else int(ratio * n_groups)
+    if n_keep < 1:
+        raise ValueError(f"rollout_filter_ratio={ratio} keeps no group out of {n_groups}; raise it")
+    order = torch.argsort(stats[key], descending=keep_largest, stable=True)
+    return order[:n_keep].sort().values
+
+
+def rollout_filter(
+    rm_scores: torch.Tensor, group_size: int, ratio: float, filter_type: str
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """StarPO-S: keep the groups ranked best by `filter_type`.
+
+    Args:
+        rm_scores: (B, T-1) token-level scores; a trajectory's score is the sum of its row.
+    Returns:
+        row indices (ascending) of the kept trajectories, and the metrics
+        `rollout/in_group_{std,max,mean}` (mean over all groups) and `rollout/chosen_in_group_*` (kept groups).
+    """
+    stats = group_score_stats(rm_scores.sum(dim=-1), group_size)
+    groups = select_groups(stats, ratio, filter_type)
+    rows = (groups[:, None] * group_size + torch.arange(group_size)[None, :]).flatten()
+    metrics = {}
+    for name, values in stats.items():
+        metrics[f"rollout/in_group_{name}"] = values.mean().item()
+        metrics[f"rollout/chosen_in_group_{name}"] = values[groups].mean().item()
+    return rows, metrics
+
+
+# --------------------------------------------------------------------------------------------------------
+# Rewards
+# --------------------------------------------------------------------------------------------------------
+
+
+def check_rewards_inside_mask(token_level_rewards: torch.Tensor, mask: torch.Tensor) -> None:
+    """verl 0.9.1's GAE skips masked positions, rewards included: a reward outside the mask would be lost."""
+    outside = (token_level_rewards != 0) & (mask == 0)
+    if outside.any():
+        row = int(outside.any(dim=-1).nonzero()[0])
+        raise ValueError(
+            f"trajectory {row} has a reward outside its loss_mask; the rollout must place rewards on trained "
+            "positions (docs/interfaces.md 'One rollout')"
+        )
+
+
+def apply_kl_penalty(
+    token_level_scores: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    ref_log_prob: torch.Tensor,
+    mask: torch.Tensor,
+    kl_coef: float,
+    kl_penalty: str,
+) -> tuple[torch.Tensor, float]:
+    """token_level_rewards = scores − β·KL(π_old‖π_ref) per token over the mask (all (B, T-1)).
+
+    Returns the rewards and the batch's mean per-trajectory KL (for the adaptive KL controller).
+    """
+    kl = core_algos.kl_penalty(old_log_prob, ref_log_prob, kl_penalty=kl_penalty) * mask
+    rewards = token_level_scores - kl_coef * kl
+    seq_kl = verl_F.masked_mean(kl, mask, axis=-1)
+    return rewards, seq_kl.mean().item()
+
+
+# --------------------------------------------------------------------------------------------------------
+# Advantages
+# --------------------------------------------------------------------------------------------------------
+
+
+def gae(
+    token_level_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's GAE over the mask: (advantages whitened over the mask, returns = A + V), both (B, T-1).
+
+    verl 0.9.1 skips masked positions (their values and rewards do not enter δ; the recursion jumps over them),
+    which the tests pin. With one terminal reward R and γ = λ = 1: returns_t = R on every masked-in position.
+    """
+    check_rewards_inside_mask(token_level_rewards, mask)
+    return core_algos.compute_gae_advantage_return(
+        token_level_rewards=token_level_rewards, values=values, response_mask=mask, gamma=gamma, lam=lam
+    )
+
+
+def turn_ends(response_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T-1) bool: the last position of each run of 1s in `response_mask` (the end of an assistant turn)."""
+    on = response_mask.bool()
+    next_on = torch.zeros_like(on)
+    next_on[:, :-1] = on[:, 1:]
+    return on & ~next_on
+
+
+def _turn_level_returns(
+    rewards: torch.Tensor, values: torch.Tensor, ends: torch.Tensor, high_level_gamma: float, lam: float
+) -> torch.Tensor:
+    """Turn returns G_k = A_k + V_k from GAE over turns; (B, T-1) with G_k at the end of turn k, 0 elsewhere.
+
+    Turn k covers the positions after the end of turn k−1 up to its own end; rewards after the last turn end
+    belong to the last turn. V_k is the value at the end of turn k; δ_k = R_k + γ_h·V_{k+1} − V_k and
+    A_k = δ_k + γ_h·λ·A_{k+1}, with V and A past the last turn equal to 0.
+    """
+    n_turns = ends.sum(dim=-1)
+    if not ends.any():
+        return torch.zeros_like(rewards)
+    max_turns = int(n_turns.max())
+    turn_of = (torch.cumsum(ends, dim=-1) - ends.long()).clamp(max=(n_turns - 1).clamp(min=0)[:, None])
+    turn_rewards = torch.zeros(rewards.shape[0], max_turns, dtype=rewards.dtype)
+    turn_rewards.scatter_add_(1, turn_of, rewards * (n_turns[:, None] > 0))
+    turn_values = torch.zeros_like(turn_rewards)
+    turn_values[torch.arange(max_turns)[None, :].expand_as(turn_values) < n_turns[:, None]] = values[ends]
+    next_value = torch.zeros(rewards.shape[0], dtype=rewards.dtype)
+    advantage = torch.zeros_like(next_value)
+    turn_returns = torch.zeros_like(turn_rewards)
+    for k in reversed(range(max_turns)):
+        valid = (k < n_turns).to(rewards.dtype)
+        delta = turn_rewards[:, k] + high_level_gamma * next_value - turn_values[:, k]
+        advantage = valid * (delta + high_level_gamma * lam * advantage)
+        next_value = valid * turn_values[:, k]
+        turn_returns[:, k] = advantage + turn_values[:, k]
+    out = torch.zeros_like(rewards)
+    out[ends] = turn_returns[torch.arange(max_turns)[None, :].expand_as(turn_returns) < n_turns[:, None]]
+    return out
+
+
+def bi_level_gae(
+    token_level_rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+    high_level_gamma: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bi-level GAE (spec §10.3 step 6): GAE over turns with γ_high, then GAE over tokens inside each turn.
+
+    Turns are the runs of `response_mask` (assistant turns). Inside turn k the token-level recursion runs
+    backwards over the `mask` positions with δ_t = γ·V_{t+1} − V_t, except at the turn's last token where
+    δ = G_k − V_t (the turn return bootstraps the turn; nothing flows across turn boundaries).
+    Returns (advantages whitened over `mask`, returns = A + V), both (B, T-1).
+    """
+    check_rewards_inside_mask(token_level_rewards, mask)
+    ends = turn_ends(response_mask * mask)
+    with torch.no_grad():
+        turn_returns = _turn_level_returns(token_level_rewards, values, ends, high_level_gamma, lam)
+        next_value = torch.zeros(values.shape[0], dtype=values.dtype)
+        last_gae = torch.zeros_like(next_value)
+        advantages = torch.zeros_like(values)
+        for t in reversed(range(values.shape[1])):
+            end, on = ends[:, t].to(values.dtype), mask[:, t].to(values.dtype)
+            next_value, last_gae = next_value * (1 - end), last_gae * (1 - end)
+            delta = turn_returns[:, t] + gamma * next_value - values[:, t]
+            gae_t = delta + gamma * lam * last_gae
+            next_value = on * values[:, t] + (1 - on) * next_value
+            last_gae = on * gae_t + (1 - on) * last_gae
+            advantages[:, t] = last_gae
+        returns = advantages + values
+        advantages = verl_F.masked_whiten(advantages, mask)
+    return advantages, returns
+
+
+def compute_advantages(
+    token_level_rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+    bi_level: bool = False,
+    high_level_gamma: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns), both (B, T-1): verl's GAE, or bi-level GAE when `bi_level`."""
+    if bi_level:
+        return bi_level_gae(token_level_rewards, values, mask, response_mask, gamma, lam, high_level_gamma)
+    return gae(token_level_rewards, values, mask, gamma, lam)
