@@ -1,0 +1,87 @@
+"""Exact token ids and roles of a hand-checked two-turn conversation, for ChatML and Llama-3 templates."""
+
+import copy
+
+import pytest
+
+from SPA_agent.chat_tokens import CONTEXT, SAMPLED, SYSTEM, AssistantTurn, ChatTokenizer
+
+LLAMA3_TEMPLATE = (
+    "{{ '<|begin_of_text|>' }}{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim"
+    " + '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def llama_tokenizer(tiny_tokenizer):
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": [
+        "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
+    tok.eos_token = "<|eot_id|>"
+    tok.chat_template = LLAMA3_TEMPLATE
+    return tok
+
+
+MESSAGES = [
+    {"role": "system", "content": "You're a helpful assistant. "},
+    {"role": "user", "content": "Turn 1: go"},
+    {"role": "assistant", "content": "ignored: the ids below are used"},
+    {"role": "user", "content": "Reward:\n-0.1\n"},
+    {"role": "assistant", "content": "ignored"},
+]
+
+
+def _turns(tok, truncated_second=False):
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    first = enc("a</think><answer>Up</answer>") + [tok.eos_token_id]
+    second = enc("b</think><answer>Down") + ([] if truncated_second else [tok.eos_token_id])
+    return [AssistantTurn("<think>", first), AssistantTurn("<think>", second)]
+
+
+def test_chatml_conversation_ids_and_roles_are_exact(tiny_tokenizer):
+    tok = tiny_tokenizer
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    turns = _turns(tok)
+    ids, roles = ChatTokenizer(tok).build(MESSAGES, turns)
+    system = enc("<|im_start|>system\nYou're a helpful assistant. <|im_end|>\n")
+    user1 = enc("<|im_start|>user\nTurn 1: go<|im_end|>\n<|im_start|>assistant\n<think>")
+    user2 = enc("\n<|im_start|>user\nReward:\n-0.1\n<|im_end|>\n<|im_start|>assistant\n<think>")
+    tail = enc("\n")
+    assert ids == system + user1 + turns[0].ids + user2 + turns[1].ids + tail
+    assert roles == ([SYSTEM] * len(system) + [CONTEXT] * len(user1) + [SAMPLED] * len(turns[0].ids)
+                     + [CONTEXT] * len(user2) + [SAMPLED] * len(turns[1].ids) + [CONTEXT] * len(tail))
+
+
+def test_truncated_turn_gets_the_template_end_of_turn_as_context(tiny_tokenizer):
+    tok = tiny_tokenizer
+    turns = _turns(tok, truncated_second=True)
+    ids, roles = ChatTokenizer(tok).build(MESSAGES, turns)
+    end = tok("<|im_end|>\n", add_special_tokens=False)["input_ids"]
+    assert ids[-len(end):] == end and roles[-len(end):] == [CONTEXT] * len(end)
+
+
+def test_llama3_conversation_ids_and_roles_are_exact(llama_tokenizer):
+    tok = llama_tokenizer
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    turns = _turns(tok)
+    ids, roles = ChatTokenizer(tok).build(MESSAGES, turns)
+    system = enc("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nYou're a helpful assistant.<|eot_id|>")
+    user1 = enc("<|start_header_id|>user<|end_header_id|>\n\nTurn 1: go<|eot_id|>"
+                "<|start_header_id|>assistant<|end_header_id|>\n\n<think>")
+    user2 = enc("<|start_header_id|>user<|end_header_id|>\n\nReward:\n-0.1<|eot_id|>"
+                "<|start_header_id|>assistant<|end_header_id|>\n\n<think>")
+    assert ids == system + user1 + turns[0].ids + user2 + turns[1].ids
+    assert roles.count(SYSTEM) == len(system) and roles.count(SAMPLED) == len(turns[0].ids) + len(turns[1].ids)
+
+
+@pytest.mark.parametrize("which", ["chatml", "llama3"])
+def test_generation_prompt_is_a_prefix_of_the_finished_conversation(which, tiny_tokenizer, llama_tokenizer):
+    tok = tiny_tokenizer if which == "chatml" else llama_tokenizer
+    chat, turns = ChatTokenizer(tok), _turns(tok)
+    full, _ = chat.build(MESSAGES, turns)
+    prompt1, _ = chat.build(MESSAGES[:2], [], generation_prefix="<think>")
+    prompt2, _ = chat.build(MESSAGES[:4], turns[:1], generation_prefix="<think>")
+    assert full[: len(prompt1)] == prompt1 and full[len(prompt1): len(prompt1) + len(turns[0].ids)] == turns[0].ids
+    assert full[: len(prompt2)] == prompt2 and full[len(prompt2): len(prompt2) + len(turns[1].ids)] == turns[1].ids
