@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Vanilla RL baseline: the same PPO as SPA, from the untouched instruct model (no self-play data, no SFT).
+#
+#   bash run_baseline.sh <config> [hydra overrides...]      config: _2_sokoban | _3_frozen_lake | _10_sudoku
+# Environment: MODEL (1.5B; 0.5B, 3B, llama1B, tiny), RENDER_MODE, NGPUS, BASE_DIR (see train_ppo_sfted.sh).
+set -euo pipefail
+cd "$(dirname "$0")"
+. scripts/common.sh
+
+[ $# -ge 1 ] || die "usage: bash run_baseline.sh <config> [overrides...]"
+CONFIG_NAME="$1"; shift
+check_config "$CONFIG_NAME"
+MODEL="${MODEL:-1.5B}"
+RENDER_MODE="${RENDER_MODE:-text_with_coordinates}"
+export MODEL RENDER_MODE
+MODEL_PATH="$(python -c "from SPA_agent.config import compose; print(compose('$CONFIG_NAME', ['model=$(model_preset "$MODEL")']).model_path)")"
+bash ./train_ppo_sfted.sh "$CONFIG_NAME" "$MODEL_PATH" "${CONFIG_NAME}-${MODEL}-${RENDER_MODE}-baseline" "$@"

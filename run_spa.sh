@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# SPA end to end: self-play data → world-model SFT → PPO from the SFT checkpoint → evaluation summary.
+#
+#   bash run_spa.sh <config> [ckpt=last] [generate_data=False] [hydra overrides for data generation and PPO...]
+#
+#   config         _2_sokoban | _3_frozen_lake | _10_sudoku
+#   ckpt           SFT checkpoint to start PPO from: `last` (highest global_step_N) or a step number N
+#   generate_data  True: run stages 1 and 2 first; False: use an existing SFT checkpoint
+# Environment: MODEL (1.5B; 0.5B, 3B, llama1B, tiny), RENDER_MODE (text_with_coordinates | text),
+#   BT_NUM (rollout batches of data, 5), GENERATOR (data generator: vllm when installed, else hf;
+#   random for MODEL=tiny), NGPUS (detected), OUTPUT_DIR, CHECKPOINT_DIR, BASE_DIR (PPO runs, ./checkpoints),
+#   SFT_OVERRIDES (extra Hydra overrides for the SFT stage, space separated).
+set -euo pipefail
+cd "$(dirname "$0")"
+. scripts/common.sh
+
+[ $# -ge 1 ] || die "usage: bash run_spa.sh <config> [ckpt=last] [generate_data=False] [overrides...]"
+CONFIG_NAME="$1"; CKPT="${2:-last}"; GENERATE_DATA="${3:-False}"; shift $(( $# < 3 ? $# : 3 ))
+check_config "$CONFIG_NAME"
+export PYTHONHASHSEED=10000
+
+MODEL="${MODEL:-1.5B}"
+RENDER_MODE="${RENDER_MODE:-text_with_coordinates}"
+BT_NUM="${BT_NUM:-5}"
+PRESET="$(model_preset "$MODEL")"
+NGPUS="$(gpu_count)"
+if [ -z "${GENERATOR:-}" ]; then
+    if [ "$MODEL" = tiny ]; then GENERATOR=random
+    elif python -c "import vllm" >/dev/null 2>&1; then GENERATOR=vllm
+    else GENERATOR=hf; fi
+fi
+OUTPUT_DIR="${OUTPUT_DIR:-./sftdata/${CONFIG_NAME}-${MODEL}-${RENDER_MODE}}"
+CHECKPOINT_DIR="${CHECKPOINT_DIR:-./sftckpt/checkpoints${CONFIG_NAME}-${MODEL}-${RENDER_MODE}-$(model_family "$MODEL")}"
+export MODEL RENDER_MODE NGPUS
+
+if [ "$GENERATE_DATA" = True ]; then
+    echo "== stage 1: self-play data ($GENERATOR, $BT_NUM batches) -> $OUTPUT_DIR"
+    python -m SPA_agent.generate_sft_data --config-name "$CONFIG_NAME" model="$PRESET" \
+        render_mode="$RENDER_MODE" generator="$GENERATOR" data_gen.num_batches="$BT_NUM" \
+        data_gen.output_dir="$OUTPUT_DIR" "$@"
+    echo "== stage 2: world-model SFT -> $CHECKPOINT_DIR"
+    # shellcheck disable=SC2086
+    bash sft/finetune_ft.sh "$CONFIG_NAME" "$(( NGPUS > 0 ? NGPUS : 1 ))" "$CHECKPOINT_DIR" "$OUTPUT_DIR" "$MODEL" ${SFT_OVERRIDES:-}
+fi
+
+if [ "$CKPT" = last ] || [ -z "$CKPT" ]; then
+    CKPT_PATH="$(latest_checkpoint "$CHECKPOINT_DIR")"
+else
+    CKPT_PATH="$CHECKPOINT_DIR/global_step_$CKPT"
+    [ -d "$CKPT_PATH" ] || die "no checkpoint '$CKPT_PATH'"
+fi
+
+EXPERIMENT_NAME="${CONFIG_NAME}-${MODEL}-${RENDER_MODE}-spa-$(basename "$CKPT_PATH")"
+echo "== stage 3: PPO from $CKPT_PATH ($EXPERIMENT_NAME)"
+bash ./train_ppo_sfted.sh "$CONFIG_NAME" "$CKPT_PATH" "$EXPERIMENT_NAME" "$@"

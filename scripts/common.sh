@@ -1,0 +1,54 @@
+# Shared helpers of run_spa.sh, run_baseline.sh and train_ppo_sfted.sh (sourced, not executed).
+
+SPA_CONFIGS="_2_sokoban _3_frozen_lake _10_sudoku"
+
+die() { echo "error: $*" >&2; exit 2; }
+
+# check_config NAME: fail clearly on an unknown entry config.
+check_config() {
+    local name="$1" known
+    for known in $SPA_CONFIGS; do [ "$name" = "$known" ] && return 0; done
+    [ -f "config/$name.yaml" ] && return 0
+    die "unknown config '$name'; choose one of: $SPA_CONFIGS"
+}
+
+# model_preset SIZE: Hydra model preset for MODEL=0.5B|1.5B|3B|llama1B|tiny.
+model_preset() {
+    case "$1" in
+        0.5B) echo qwen2.5-0.5b ;;
+        1.5B) echo qwen2.5-1.5b ;;
+        3B) echo qwen2.5-3b ;;
+        llama1B) echo llama3.2-1b ;;
+        tiny) echo tiny ;;
+        *) die "unknown MODEL '$1'; choose one of 0.5B, 1.5B, 3B, llama1B, tiny" ;;
+    esac
+}
+
+# model_family SIZE: short family name used in checkpoint directory names.
+model_family() { case "$1" in llama*) echo llama ;; tiny) echo tiny ;; *) echo qwen ;; esac; }
+
+# gpu_count: visible CUDA devices (CUDA_VISIBLE_DEVICES if set, else nvidia-smi), 0 without CUDA.
+gpu_count() {
+    if [ -n "${NGPUS:-}" ]; then echo "$NGPUS"; return; fi
+    if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
+        echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .
+    elif command -v nvidia-smi >/dev/null 2>&1; then
+        nvidia-smi --list-gpus 2>/dev/null | grep -c GPU || true
+    else
+        echo 0
+    fi
+}
+
+# latest_checkpoint DIR: the global_step_N sub-directory with the highest N (only those count).
+latest_checkpoint() {
+    local dir="$1" best="" best_n=-1 d n
+    [ -d "$dir" ] || die "checkpoint directory '$dir' does not exist (run with generate_data=True, or download an SFT checkpoint into it)"
+    for d in "$dir"/global_step_*; do
+        [ -d "$d" ] || continue
+        n="${d##*global_step_}"
+        [[ "$n" =~ ^[0-9]+$ ]] || continue
+        if [ "$n" -gt "$best_n" ]; then best_n="$n"; best="$d"; fi
+    done
+    [ -n "$best" ] || die "no global_step_N checkpoint in '$dir'"
+    echo "$best"
+}

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# PPO (stage 3) from a checkpoint: an SFT checkpoint for SPA, the instruct model for the baseline.
+#
+#   bash train_ppo_sfted.sh <config> <checkpoint path | hub id | tiny> <experiment name> [hydra overrides...]
+# Environment: MODEL (1.5B; 0.5B, 3B, llama1B, tiny: selects CPU-sized settings), RENDER_MODE
+#   (text_with_coordinates), NGPUS (detected), BASE_DIR (runs go to $BASE_DIR/<config>/<experiment>,
+#   default ./checkpoints), TOTAL_STEPS (1000; 2 for tiny).
+set -euo pipefail
+cd "$(dirname "$0")"
+. scripts/common.sh
+
+[ $# -ge 3 ] || die "usage: bash train_ppo_sfted.sh <config> <checkpoint> <experiment name> [overrides...]"
+CONFIG_NAME="$1"; CKPT="$2"; EXPERIMENT_NAME="$3"; shift 3
+check_config "$CONFIG_NAME"
+export PYTHONHASHSEED=10000
+MODEL="${MODEL:-1.5B}"
+RENDER_MODE="${RENDER_MODE:-text_with_coordinates}"
+BASE_DIR="${BASE_DIR:-./checkpoints}"
+NGPUS="$(gpu_count)"
+PRESET="$(model_preset "$MODEL")"
+STEPS_DEFAULT=1000; [ "$MODEL" = tiny ] && STEPS_DEFAULT=2
+TOTAL_STEPS="${TOTAL_STEPS:-$STEPS_DEFAULT}"
+case "$CKPT" in */*|tiny) ;; *) [ -d "$CKPT" ] || die "checkpoint '$CKPT' is not a directory" ;; esac
+if [ -e "$CKPT" ] && [ ! -f "$CKPT/config.json" ]; then die "'$CKPT' is not a Hugging Face model directory (no config.json)"; fi
+
+python -m SPA_agent.trainer.main_ppo --config-name "$CONFIG_NAME" model="$PRESET" \
+    model_path="$CKPT" render_mode="$RENDER_MODE" \
+    trainer.n_gpus_per_node="$(( NGPUS > 0 ? NGPUS : 1 ))" \
+    trainer.total_training_steps="$TOTAL_STEPS" trainer.save_freq=100 \
+    trainer.experiment_name="$EXPERIMENT_NAME" \
+    trainer.default_local_dir="$BASE_DIR/$CONFIG_NAME/$EXPERIMENT_NAME" "$@"
