@@ -1,0 +1,133 @@
+"""The data card of a self-play SFT dataset (data_card.json + data_card.md): provenance, counts, the generating
+policy's success rate, how often it answered in the world-model format, and the accuracy of its own imagined
+states before ground-truth substitution (the paper's "self-belief" signal, Table 3)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable, Mapping
+
+from omegaconf import DictConfig
+
+from SPA_agent.worldmodel import ACCURACY_KEYS, extract_states, turn_accuracy
+
+
+@dataclass
+class BatchStats:
+    """Counts over trajectories and assistant turns; `accuracy_sums[key]` / `accuracy_counts[key]` is the mean
+    self-belief accuracy over the turns that had a state block."""
+
+    trajectories: int = 0
+    successes: int = 0
+    turns: int = 0
+    turns_worldmodel_format: int = 0
+    turns_with_states: int = 0
+    turns_filter_pass: int = 0
+    seeds: list[int] = field(default_factory=list)
+    tags: list[str] = field(default_factory=list)
+    accuracy_sums: dict[str, float] = field(default_factory=dict)
+    accuracy_counts: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> "BatchStats":
+        return cls(**data)
+
+    @classmethod
+    def merge(cls, parts: Iterable["BatchStats"]) -> "BatchStats":
+        total = cls()
+        for part in parts:
+            for name in ("trajectories", "successes", "turns", "turns_worldmodel_format", "turns_with_states",
+                         "turns_filter_pass"):
+                setattr(total, name, getattr(total, name) + getattr(part, name))
+            total.seeds = sorted(set(total.seeds) | set(part.seeds))
+            total.tags = sorted(set(total.tags) | set(part.tags))
+            for key, value in part.accuracy_sums.items():
+                total.accuracy_sums[key] = total.accuracy_sums.get(key, 0.0) + value
+                total.accuracy_counts[key] = total.accuracy_counts.get(key, 0) + part.accuracy_counts[key]
+        return total
+
+    def add_turn(self, response: str, format_ok: bool, before: str, after: str) -> None:
+        from sft.filter_sft_by_tag import has_worldmodel_format
+
+        self.turns += 1
+        self.turns_worldmodel_format += bool(format_ok)
+        self.turns_with_states += any(extract_states(response))
+        self.turns_filter_pass += has_worldmodel_format(response)
+        for key, value in (turn_accuracy(response, before, after) or {}).items():
+            if value is not None:
+                self.accuracy_sums[key] = self.accuracy_sums.get(key, 0.0) + value
+                self.accuracy_counts[key] = self.accuracy_counts.get(key, 0) + 1
+
+    def card(self, cfg: DictConfig, **counts: int) -> dict[str, Any]:
+        """The data card as a JSON-ready dict; `counts` are the split sizes (rows and trajectories)."""
+        return {
+            "stage": "self-play SFT data (spec §8)",
+            "config_name": cfg.config_name,
+            "generator": cfg.generator.name,
+            "model_path": str(cfg.model_path),
+            "model_size": str(cfg.get("model_size", "")),
+            "render_mode": cfg.render_mode,
+            "prompt_mode": cfg.data_gen.prompt_mode,
+            "env_tags": self.tags,
+            "num_batches": cfg.data_gen.num_batches,
+            "seeds": {"first": min(self.seeds, default=None), "last": max(self.seeds, default=None),
+                      "distinct_puzzles": len(self.seeds)},
+            "temperature": cfg.actor_rollout_ref.rollout.temperature,
+            "max_new_tokens": cfg.actor_rollout_ref.rollout.response_length,
+            "split": {"by": cfg.data_gen.split_by, "val_fraction": cfg.data_gen.val_fraction,
+                      "seed": cfg.data_gen.split_seed},
+            "num_trajectories": self.trajectories,
+            "num_rows": self.turns,
+            **counts,
+            "num_rows_passing_format_filter": self.turns_filter_pass,
+            "num_rows_without_state_tags": self.turns - self.turns_with_states,
+            "success_rate": _rate(self.successes, self.trajectories),
+            "worldmodel_format_rate": _rate(self.turns_worldmodel_format, self.turns),
+            "self_belief_accuracy": {
+                key: _rate(self.accuracy_sums.get(key, 0.0), self.accuracy_counts.get(key, 0))
+                for key in ACCURACY_KEYS
+            },
+        }
+
+
+def trajectory_stats(states: list[Mapping]) -> BatchStats:
+    """Stats of one rollout's states (`Rollout.states`); self-belief is scored on the normalized responses."""
+    stats = BatchStats()
+    for record in states:
+        stats.trajectories += 1
+        stats.successes += int(record["metrics"][f"{record['tag']}/success"] > 0)
+        stats.seeds = sorted(set(stats.seeds) | {int(record["seed"])})
+        stats.tags = sorted(set(stats.tags) | {record["tag"]})
+        history = record["history"]
+        for t in range(len(history) - 1):
+            parsed = history[t].get("parsed") or {}
+            stats.add_turn(history[t]["llm_response"], parsed.get("format_ok", False),
+                           history[t]["state"], history[t + 1]["state"])
+    return stats
+
+
+def _rate(num: float, den: float) -> float | None:
+    return num / den if den else None
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def render_data_card(card: Mapping[str, Any]) -> str:
+    """Markdown view of the card."""
+    lines = [f"# Data card: {card['config_name']} ({card['generator']}, {card['model_path']})", "",
+             "| field | value |", "|---|---|"]
+    for key, value in card.items():
+        if isinstance(value, Mapping):
+            value = ", ".join(f"{k}={_fmt(v)}" for k, v in value.items())
+        elif isinstance(value, list):
+            value = ", ".join(map(str, value))
+        lines.append(f"| {key} | {_fmt(value)} |")
+    lines += ["", "`self_belief_accuracy`: the model's own <observation>/<prediction> contents against the true "
+              "states, before substitution (exact match, per-cell, coordinate sentence), over turns that had the "
+              "block."]
+    return "\n".join(lines) + "\n"

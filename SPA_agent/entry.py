@@ -1,0 +1,62 @@
+"""Helpers shared by the data-generation and evaluation entry points: config blocks, model checks, exit codes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from SPA_agent.config import CONFIG_DIR
+
+EXIT_USAGE = 2  # user mistakes: bad config value, missing file, a directory that is not a model
+
+
+def current_config_name() -> str | None:
+    """`--config-name` of the running Hydra app, or None outside `@hydra.main`."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    return HydraConfig.get().job.config_name
+
+
+def prepare_config(cfg: DictConfig, block: str, config_name: str | None = None) -> DictConfig:
+    """A copy of `cfg` with `config_name` set (from the argument, Hydra, or an existing `config_name` key) and
+    the `<block>` defaults of `config/<block>.yaml` filled in under any values already present."""
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    name = config_name or current_config_name() or cfg.get("config_name")
+    if not name:
+        raise ValueError("unknown config name: pass --config-name (or set config_name=...)")
+    defaults = OmegaConf.load(CONFIG_DIR / f"{block}.yaml")
+    merged = OmegaConf.merge(defaults, cfg)
+    with open_dict(merged):
+        merged.config_name = name
+    OmegaConf.set_struct(merged, True)
+    return merged
+
+
+def resolve_checkpoint(model_path: str) -> str:
+    """The directory or hub id to load: `tiny` → the embedded model; a local directory must be a Hugging Face
+    model directory (PPO checkpoints: `<run>/global_step_N/actor`)."""
+    from SPA_agent.tiny import resolve_model_path
+
+    resolved = resolve_model_path(str(model_path))
+    path = Path(resolved)
+    if path.is_dir() and not (path / "config.json").is_file():
+        actors = sorted(path.glob("global_step_*/actor"))
+        hint = f"; did you mean {actors[-1]}?" if actors else ""
+        raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json){hint}")
+    if not path.exists() and (resolved.startswith((".", "/", "~")) or resolved.count("/") > 1):
+        raise FileNotFoundError(f"model_path {resolved} does not exist")
+    return resolved
+
+
+def load_tokenizer(model_path: str):
+    """The tokenizer of `model_path` (checked by `resolve_checkpoint`)."""
+    from transformers import AutoTokenizer
+
+    resolved = resolve_checkpoint(model_path)
+    try:
+        return AutoTokenizer.from_pretrained(resolved)
+    except OSError as err:
+        raise FileNotFoundError(f"cannot load a tokenizer from {resolved}: {err}") from err

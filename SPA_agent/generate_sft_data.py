@@ -1,0 +1,240 @@
+"""Stage 1: self-play SFT data (spec §8).
+
+The base model plays the TRAIN env groups in add_worldmodel mode for `data_gen.num_batches` rollouts. In every
+assistant turn the imagined `<observation>` becomes the true state shown before the turn and the imagined
+`<prediction>` the true state after the turn's executed actions (FrozenLake: the realized slip); later prompts
+carry the corrected earlier turns. One row per assistant turn (docs/interfaces.md, "SFT data"), split into
+wm_train/wm_val by trajectory, with a data card that records the model's own ("self-belief") accuracy.
+
+    python -m SPA_agent.generate_sft_data --config-name _2_sokoban model=tiny generator=random \
+        data_gen.num_batches=2 data_gen.output_dir=/tmp/sft
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Mapping
+
+import hydra
+import numpy as np
+import pyarrow as pa
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from SPA_agent import atomic_io
+from SPA_agent.datagen_card import BatchStats, render_data_card, trajectory_stats
+from SPA_agent.entry import EXIT_USAGE, load_tokenizer, prepare_config
+from SPA_agent.worldmodel import substitute_states
+
+DATA_FILES = ("wm_train.parquet", "wm_val.parquet")
+CARD_FILE = "data_card.json"  # written last: its presence marks a complete dataset
+PARTIAL_DIR = ".partial"
+MESSAGE_TYPE = pa.struct([("content", pa.string()), ("role", pa.string())])
+SFT_SCHEMA = pa.schema([
+    ("prompt", pa.list_(MESSAGE_TYPE)),
+    ("response", pa.string()),
+    ("data_source", pa.string()),
+    ("ability", pa.string()),
+    ("reward_model", pa.string()),
+    ("extra_info", pa.string()),
+    ("trajectory_id", pa.int64()),
+    ("turn", pa.int64()),
+    ("seed", pa.int64()),
+    ("env_tag", pa.string()),
+])
+
+
+# --- ground-truth substitution ------------------------------------------------------------------------
+def substitute_trajectory(messages: list[dict], true_states: list[str]) -> tuple[list[dict], list[bool]]:
+    """Copy of `messages` with assistant turn t's observations set to `true_states[t]` and predictions to
+    `true_states[t + 1]`; also returns, per assistant turn, whether it had any state block."""
+    out, tagged, turn = [], [], 0
+    for message in messages:
+        if message["role"] == "assistant":
+            sub = substitute_states(message["content"], true_states[turn], true_states[turn + 1])
+            message = {"role": "assistant", "content": sub.text}
+            tagged.append(sub.has_states)
+            turn += 1
+        out.append({"content": message["content"], "role": message["role"]})
+    return out, tagged
+
+
+def trajectory_rows(messages: list[dict], record: Mapping, trajectory_id: int, data_source: str) -> list[dict]:
+    """One row per assistant message: the chat before it (substituted) and the message itself."""
+    rows, turn = [], 0
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        rows.append({
+            "prompt": [dict(m) for m in messages[:i]], "response": message["content"],
+            "data_source": data_source, "trajectory_id": trajectory_id, "turn": turn,
+            "seed": int(record["seed"]), "env_tag": record["tag"],
+        })
+        turn += 1
+    return rows
+
+
+def rollout_records(proxy, states: list[Mapping], first_id: int, env_types: Mapping[str, str]) -> tuple[list, list]:
+    """Rows and raw trajectory records of one rollout; trajectory ids start at `first_id`."""
+    rows, trajectories = [], []
+    for offset, record in enumerate(states):
+        true_states = [entry["state"] for entry in record["history"]]
+        raw_messages = proxy.messages(record, normalized=True)
+        messages, _ = substitute_trajectory(raw_messages, true_states)
+        rows += trajectory_rows(messages, record, first_id + offset, env_types[record["tag"]])
+        trajectories.append({
+            "trajectory_id": first_id + offset, "tag": record["tag"], "seed": int(record["seed"]),
+            "messages": raw_messages, "true_states": true_states,
+            "actions": [entry.get("actions", []) for entry in record["history"][:-1]],
+            "rewards": [entry.get("reward", 0.0) for entry in record["history"][:-1]],
+            "success": record["metrics"][f"{record['tag']}/success"],
+        })
+    return rows, trajectories
+
+
+# --- split and tables ---------------------------------------------------------------------------------
+def split_rows(rows: list[dict], by: str, val_fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
+    """(train, val). `trajectory`: a seeded permutation of trajectory ids, the first ⌈f·N⌉ to val, rows kept in
+    order. `row`: sklearn's `train_test_split(test_size=f, random_state=seed)` order, reproduced with numpy."""
+    if not 0 <= val_fraction < 1:
+        raise ValueError(f"data_gen.val_fraction must be in [0, 1), got {val_fraction}")
+    if by == "row":
+        perm = np.random.RandomState(seed).permutation(len(rows))
+        n_val = math.ceil(val_fraction * len(rows))
+        return [rows[i] for i in perm[n_val:]], [rows[i] for i in perm[:n_val]]
+    if by != "trajectory":
+        raise ValueError(f"data_gen.split_by must be 'trajectory' or 'row', got {by!r}")
+    ids = sorted({row["trajectory_id"] for row in rows})
+    perm = np.random.RandomState(seed).permutation(len(ids))
+    val_ids = {ids[i] for i in perm[: math.ceil(val_fraction * len(ids))]}
+    return [r for r in rows if r["trajectory_id"] not in val_ids], [r for r in rows if r["trajectory_id"] in val_ids]
+
+
+def rows_table(rows: list[dict], split: str, cfg: Mapping) -> pa.Table:
+    """The rows as a table with `SFT_SCHEMA`; `extra_info` records the row index and split as the original."""
+    columns: dict[str, list[Any]] = {name: [] for name in SFT_SCHEMA.names}
+    for index, row in enumerate(rows):
+        full = {**row, "ability": cfg["ability"], "reward_model": cfg["reward_model"],
+                "extra_info": str({"index": index, "split": split})}
+        for name in SFT_SCHEMA.names:
+            columns[name].append(full[name])
+    return pa.table(columns, schema=SFT_SCHEMA)
+
+
+# --- resumable batches --------------------------------------------------------------------------------
+def config_fingerprint(cfg: DictConfig) -> str:
+    """Hash of the resolved config minus `data_gen.resume`: shards are reused only under the same config."""
+    data = OmegaConf.to_container(cfg, resolve=True)
+    data["data_gen"].pop("resume", None)
+    return hashlib.sha256(OmegaConf.to_yaml(OmegaConf.create(data)).encode()).hexdigest()
+
+
+def load_shards(partial: Path, fingerprint: str, num_batches: int) -> list[dict]:
+    """Consecutive completed batch shards written under the same config; stale shards are removed."""
+    import json
+
+    marker = partial / "fingerprint.txt"
+    if not marker.is_file() or marker.read_text() != fingerprint:
+        shutil.rmtree(partial, ignore_errors=True)
+        return []
+    shards = []
+    for b in range(num_batches):
+        path = partial / f"batch_{b:05d}.json"
+        if not path.is_file():
+            break
+        shards.append(json.loads(path.read_text(encoding="utf-8")))
+    return shards
+
+
+def run_batches(cfg: DictConfig, proxy, out_dir: Path) -> list[dict]:
+    """Play `num_batches` rollouts (resuming from shards when allowed); one shard dict per batch."""
+    dg = cfg.data_gen
+    partial = out_dir / PARTIAL_DIR
+    fingerprint = config_fingerprint(cfg)
+    shards = load_shards(partial, fingerprint, dg.num_batches) if dg.resume else []
+    if not dg.resume:
+        shutil.rmtree(partial, ignore_errors=True)
+    atomic_io.write_text(partial / "fingerprint.txt", fingerprint)
+    if shards:
+        proxy.load_state_dict(shards[-1]["proxy_state"])
+        print(f"resuming after {len(shards)} completed batch(es) from {partial}")
+    env_types = {tag: cfg.custom_envs[tag].env_type for tag in cfg.es_manager.train.env_configs.tags}
+    for b in tqdm(range(len(shards), dg.num_batches), desc="data batches", initial=len(shards), total=dg.num_batches):
+        rollout = proxy.rollout(val=False)
+        first_id = b * len(rollout.states)
+        rows, trajectories = rollout_records(proxy, rollout.states, first_id, env_types)
+        shard = {"batch": b, "rows": rows, "trajectories": trajectories,
+                 "stats": trajectory_stats(rollout.states).as_dict(), "proxy_state": proxy.state_dict()}
+        atomic_io.write_json(partial / f"batch_{b:05d}.json", shard)
+        shards.append(shard)
+    return shards
+
+
+# --- outputs ------------------------------------------------------------------------------------------
+def write_outputs(cfg: DictConfig, out_dir: Path, shards: list[dict]) -> dict:
+    """wm_train/wm_val parquet (+csv), raw trajectories, config.yaml, then the data card (last)."""
+    dg = cfg.data_gen
+    rows = [row for shard in shards for row in shard["rows"]]
+    train, val = split_rows(rows, dg.split_by, dg.val_fraction, dg.split_seed)
+    tables = {"wm_train": rows_table(train, "train", dg), "wm_val": rows_table(val, "test", dg)}
+    for name, table in tables.items():
+        atomic_io.write_parquet(out_dir / f"{name}.parquet", table)
+        if dg.write_csv:
+            atomic_io.write_atomic(out_dir / f"{name}.csv",
+                                   lambda tmp, t=table: t.to_pandas().to_csv(tmp, index=False))
+    if dg.write_trajectories:
+        atomic_io.write_jsonl(out_dir / "raw_trajectories.jsonl",
+                              [t for shard in shards for t in shard["trajectories"]])
+    atomic_io.write_text(out_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    stats = BatchStats.merge(BatchStats.from_dict(shard["stats"]) for shard in shards)
+    card = stats.card(cfg, num_train=len(train), num_val=len(val),
+                      num_train_trajectories=len({r["trajectory_id"] for r in train}),
+                      num_val_trajectories=len({r["trajectory_id"] for r in val}))
+    atomic_io.write_text(out_dir / "data_card.md", render_data_card(card))
+    atomic_io.write_json(out_dir / CARD_FILE, card)
+    return card
+
+
+def generate(cfg: DictConfig) -> dict:
+    """The whole stage for a prepared config (see `prepare_data_gen_config`); returns the data card."""
+    from SPA_agent.agent_proxy import LLMAgentProxy
+    from SPA_agent.generators import build_generator
+
+    out_dir = Path(cfg.data_gen.output_dir)
+    (out_dir / CARD_FILE).unlink(missing_ok=True)
+    tokenizer = load_tokenizer(cfg.model_path)
+    generator = build_generator(cfg.generator, cfg.model_path, tokenizer)
+    proxy = LLMAgentProxy(cfg, generator, tokenizer, mode=cfg.data_gen.prompt_mode, progress=True)
+    shards = run_batches(cfg, proxy, out_dir)
+    card = write_outputs(cfg, out_dir, shards)
+    shutil.rmtree(out_dir / PARTIAL_DIR, ignore_errors=True)
+    return card
+
+
+def prepare_data_gen_config(cfg: DictConfig, config_name: str | None = None) -> DictConfig:
+    """Entry config + the `data_gen` block (config/data_gen.yaml under any overrides), prompt mode forced."""
+    cfg = prepare_config(cfg, "data_gen", config_name)
+    cfg.ctx_manager.mode = cfg.data_gen.prompt_mode
+    if cfg.data_gen.num_batches < 1:
+        raise ValueError(f"data_gen.num_batches must be >= 1, got {cfg.data_gen.num_batches}")
+    return cfg
+
+
+@hydra.main(config_path="../config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    try:
+        cfg = prepare_data_gen_config(cfg)
+        card = generate(cfg)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+    print(render_data_card(card))
+    print(f"data written to {cfg.data_gen.output_dir}")
+
+
+if __name__ == "__main__":
+    main()
