@@ -1,0 +1,160 @@
+"""SFT dataset: parquet rows (spec §8 schema) → token ids and a loss mask.
+
+Each row has `prompt` (list<struct<content, role>>: the chat up to the assistant turn) and `response` (the
+assistant message); other columns (ours or the released data's) are ignored. Rows are rendered by
+`sft.loss_targets.build_text` (the one place that decides which tokens train), tokenized once at
+construction, and truncated with masks kept aligned to ids (fixing spec §12.15).
+
+Conventions: `input_ids` (T,) = prompt ids followed by target ids; `loss_mask` (T,) is 1 where
+`input_ids[i]` is a trained target, i.e. the logits at position i−1 are scored against it. Position 0 is never
+trained.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from sft.loss_targets import (
+    LossTarget,
+    build_text,
+    end_of_turn_token,
+    placeholder_ids,
+    released_off_by_one,
+    token_loss_mask,
+)
+
+
+class Truncation(str, enum.Enum):
+    """Config value `data.truncation`: what to do with a row longer than `data.max_length` tokens."""
+
+    LEFT = "left"  # keep the last max_length tokens (the prompt's start is dropped)
+    RIGHT = "right"  # keep the first max_length tokens (the response's end is dropped)
+    ERROR = "error"  # refuse the data set
+
+    @classmethod
+    def parse(cls, value: str) -> "Truncation":
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"data.truncation={value!r} is not one of {[m.value for m in cls]}") from None
+
+
+@dataclass(frozen=True)
+class SftSample:
+    """One tokenized row. input_ids, loss_mask: (T,) int64; see the module docstring."""
+
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.input_ids.numel())
+
+
+def read_rows(files: str | Sequence[str], prompt_key: str = "prompt",
+              response_key: str = "response") -> tuple[list[list[dict]], list[str]]:
+    """Read (prompts, responses) from one or more parquet files; clear errors for missing/empty/bad files."""
+    paths = [files] if isinstance(files, (str, Path)) else list(files)
+    if not paths:
+        raise ValueError("no parquet file given: set data.train_files / data.val_files")
+    prompts: list[list[dict]] = []
+    responses: list[str] = []
+    for path in map(Path, paths):
+        if not path.is_file():
+            raise FileNotFoundError(f"SFT data file {path} does not exist: run stage 1 "
+                                    "(python -m SPA_agent.generate_sft_data) or fix the data path")
+        table = pq.read_table(path)
+        _check_schema(table.schema, path, prompt_key, response_key)
+        for messages in table.column(prompt_key).to_pylist():
+            prompts.append([{"role": m["role"], "content": m["content"]} for m in messages])
+        responses.extend(table.column(response_key).to_pylist())
+    if not responses:
+        raise ValueError(f"SFT data {', '.join(map(str, paths))} has no rows")
+    return prompts, responses
+
+
+def _check_schema(schema: pa.Schema, path: Path, prompt_key: str, response_key: str) -> None:
+    expected = (f"columns {prompt_key!r}: list<struct<content: string, role: string>> and "
+                f"{response_key!r}: string (spec §8)")
+    names = schema.names
+    if prompt_key not in names or response_key not in names:
+        raise ValueError(f"{path} has columns {names}; expected {expected}")
+    prompt_type, response_type = schema.field(prompt_key).type, schema.field(response_key).type
+    ok_prompt = (pa.types.is_list(prompt_type) or pa.types.is_large_list(prompt_type)) and \
+        pa.types.is_struct(prompt_type.value_type) and \
+        {"content", "role"} <= {f.name for f in prompt_type.value_type}
+    ok_response = pa.types.is_string(response_type) or pa.types.is_large_string(response_type)
+    if not (ok_prompt and ok_response):
+        raise ValueError(f"{path} has {prompt_key}: {prompt_type}, {response_key}: {response_type}; "
+                         f"expected {expected}")
+
+
+class SpaSftDataset(torch.utils.data.Dataset):
+    """Tokenized SFT rows, held in memory (a stage-1 file is a few thousand rows).
+
+    Args:
+        files: parquet path(s) with the §8 schema.
+        tokenizer: a fast tokenizer with a chat template; for `released` it must already hold the
+            placeholder tokens (`sft.loss_targets.prepare_tokenizer`).
+        max_length: the longest sequence (prompt + target) in tokens.
+        truncation: `left`, `right` or `error` for longer rows.
+        loss_target: which target tokens train (`sft.loss_targets.LossTarget`).
+    """
+
+    def __init__(self, files: str | Sequence[str], tokenizer, max_length: int = 2048,
+                 truncation: str = "error", loss_target: str = "paper", prompt_key: str = "prompt",
+                 response_key: str = "response"):
+        if not getattr(tokenizer, "is_fast", False):
+            raise ValueError("SFT needs a fast tokenizer (offset mappings locate the trained spans)")
+        if max_length < 2:
+            raise ValueError(f"data.max_length must be at least 2, got {max_length}")
+        self.loss_target = LossTarget.parse(loss_target)
+        self.truncation = Truncation.parse(truncation)
+        self.max_length = max_length
+        prompts, responses = read_rows(files, prompt_key, response_key)
+        self.samples = self._tokenize(tokenizer, prompts, responses)
+
+    def _tokenize(self, tokenizer, prompts: list[list[dict]], responses: list[str]) -> list[SftSample]:
+        eot = end_of_turn_token(tokenizer)
+        texts = [build_text(tokenizer, p, r, self.loss_target, eot) for p, r in zip(prompts, responses)]
+        prompt_ids = tokenizer([t.prompt_text for t in texts], add_special_tokens=False)["input_ids"]
+        target = tokenizer([t.target_text for t in texts], add_special_tokens=False,
+                           return_offsets_mapping=True)
+        special = placeholder_ids(tokenizer) if self.loss_target is LossTarget.RELEASED else None
+        samples = []
+        for row, text in enumerate(texts):
+            ids = prompt_ids[row] + target["input_ids"][row]
+            mask = [0] * len(prompt_ids[row]) + token_loss_mask(target["offset_mapping"][row], text.loss_spans)
+            if special is not None:
+                mask = released_off_by_one(ids, mask, special)
+            ids, mask = self._truncate(ids, mask, row)
+            mask[0] = 0
+            samples.append(SftSample(torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long)))
+        return samples
+
+    def _truncate(self, ids: list[int], mask: list[int], row: int) -> tuple[list[int], list[int]]:
+        """Cut ids and mask with the same slice, so the mask stays aligned (spec §12.15)."""
+        if len(ids) <= self.max_length:
+            return ids, mask
+        if self.truncation is Truncation.ERROR:
+            raise ValueError(f"row {row} has {len(ids)} tokens > data.max_length={self.max_length}: raise "
+                             "data.max_length or set data.truncation=left|right")
+        cut = slice(-self.max_length, None) if self.truncation is Truncation.LEFT else slice(0, self.max_length)
+        return ids[cut], mask[cut]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> SftSample:
+        return self.samples[index]
+
+    @property
+    def lengths(self) -> list[int]:
+        """Token count of every sample, in order."""
+        return [len(s) for s in self.samples]

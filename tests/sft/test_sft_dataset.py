@@ -1,0 +1,151 @@
+"""Token-exact loss masks for every loss target, on ChatML and a Llama-3-style template; schema and errors."""
+
+from __future__ import annotations
+
+import copy
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from sft_fixtures import PROMPT, RESPONSE, llama3_tokenizer, write_rows
+
+from sft.loss_targets import LossTarget, prepare_tokenizer
+from sft.spa_sft_dataset import SpaSftDataset
+
+# Hand-checked: trained tokens of the RESPONSE row, grouped into contiguous runs, as token strings.
+EOT = "<EOT>"
+BODY = [" <", "observation", ">", "#", "_", "P", "<", "/", "observation", ">", " push", " <", "prediction", ">",
+        "#__", "<", "/", "prediction", ">", "<", "/", "think", ">", "<", "answer", ">", "Le", "ft", " |", "|",
+        " Up", "<", "/", "answer", ">", EOT]
+EXPECTED_RUNS = {
+    # the whole response after the forced "<think>", plus the end-of-turn token
+    LossTarget.PAPER: [BODY],
+    # contents of <observation> and <prediction> only
+    LossTarget.STATES_ONLY: [["#", "_", "P"], ["#__"]],
+    # <answer>…</answer> and the end-of-turn token
+    LossTarget.ANSWER_ONLY: [["<", "answer", ">", "Le", "ft", " |", "|", " Up", "<", "/", "answer", ">", EOT]],
+    # "</think>" + placeholder response + eot, minus the token after each placeholder (" push" and "<")
+    LossTarget.RELEASED: [["<", "/", "think", ">", "<", "think", ">", " ", "<obs_content>"],
+                          [" ", "<pred_content>"],
+                          ["/", "think", ">", "<", "answer", ">", "Le", "ft", " |", "|", " Up", "<", "/",
+                           "answer", ">", EOT]],
+}
+
+
+def _runs(tokenizer, sample) -> list[list[str]]:
+    runs, current = [], []
+    for token_id, trained in zip(sample.input_ids.tolist(), sample.loss_mask.tolist()):
+        if trained:
+            current.append(tokenizer.decode([token_id]))
+        elif current:
+            runs.append(current)
+            current = []
+    return runs + ([current] if current else [])
+
+
+@pytest.fixture(scope="module")
+def row_file(tmp_path_factory):
+    return write_rows(tmp_path_factory.mktemp("rows") / "wm_train.parquet", [PROMPT], [RESPONSE])
+
+
+@pytest.fixture(scope="module", params=["chatml", "llama3"])
+def template(request, tiny_tokenizer):
+    if request.param == "chatml":
+        return tiny_tokenizer, "<|im_end|>"
+    return llama3_tokenizer(tiny_tokenizer), "<|eot_id|>"
+
+
+@pytest.mark.parametrize("loss_target", list(LossTarget))
+def test_loss_mask_is_token_exact(template, row_file, loss_target):
+    base, eot = template
+    tokenizer = copy.deepcopy(base)
+    prepare_tokenizer(tokenizer, loss_target)
+    sample = SpaSftDataset(str(row_file), tokenizer, loss_target=loss_target.value)[0]
+    expected = [[eot if t == EOT else t for t in run] for run in EXPECTED_RUNS[loss_target]]
+    assert _runs(tokenizer, sample) == expected
+    assert sample.input_ids[-1].item() == tokenizer.convert_tokens_to_ids(eot)
+
+
+@pytest.mark.parametrize("loss_target", [LossTarget.PAPER, LossTarget.STATES_ONLY, LossTarget.ANSWER_ONLY])
+def test_prompt_is_template_plus_forced_think_and_never_trained(template, row_file, loss_target):
+    tokenizer, _ = template
+    sample = SpaSftDataset(str(row_file), tokenizer, loss_target=loss_target.value)[0]
+    prompt = tokenizer.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True) + "<think>"
+    prompt_len = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    assert tokenizer.decode(sample.input_ids[:prompt_len]) == prompt
+    assert sample.loss_mask[:prompt_len].sum() == 0
+
+
+def test_released_prompt_uses_placeholders_and_think_prefix(tiny_tokenizer, row_file):
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    prepare_tokenizer(tokenizer, LossTarget.RELEASED)
+    text = tokenizer.decode(SpaSftDataset(str(row_file), tokenizer, loss_target="released")[0].input_ids)
+    assert "<observation>" not in text and "<prediction>" not in text
+    assert "<|im_start|>assistant\n<think></think><think> <obs_content> go <pred_content></think>" in text
+    assert text.endswith("<|im_start|>assistant\n<think></think><think> <obs_content> push <pred_content>"
+                         "</think><answer>Left || Up</answer><|im_end|>")
+
+
+def test_response_without_think_is_trained_whole(tiny_tokenizer, tmp_path):
+    path = write_rows(tmp_path / "x.parquet", [PROMPT], ["<answer>Up</answer>"])
+    sample = SpaSftDataset(str(path), tiny_tokenizer)[0]
+    trained = tiny_tokenizer.decode(sample.input_ids[sample.loss_mask.bool()])
+    assert trained == "<answer>Up</answer><|im_end|>"
+    assert tiny_tokenizer.decode(sample.input_ids).endswith(
+        "<|im_start|>assistant\n<answer>Up</answer><|im_end|>")
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_truncation_keeps_mask_aligned_with_ids(tiny_tokenizer, row_file, side):
+    full = SpaSftDataset(str(row_file), tiny_tokenizer)[0]
+    cut = SpaSftDataset(str(row_file), tiny_tokenizer, max_length=30, truncation=side)[0]
+    assert len(cut) == 30
+    window = slice(-30, None) if side == "left" else slice(0, 30)
+    assert cut.input_ids.tolist() == full.input_ids[window].tolist()
+    expected = full.loss_mask[window].clone()
+    expected[0] = 0
+    assert cut.loss_mask.tolist() == expected.tolist()
+
+
+def test_truncation_error_names_the_row_and_the_fix(tiny_tokenizer, row_file):
+    with pytest.raises(ValueError, match=r"row 0 has \d+ tokens > data.max_length=30"):
+        SpaSftDataset(str(row_file), tiny_tokenizer, max_length=30, truncation="error")
+
+
+def test_released_data_schema_with_extra_columns_loads(tiny_tokenizer, tmp_path):
+    prompt_type = pa.list_(pa.struct([("content", pa.string()), ("role", pa.string())]))
+    table = pa.table({
+        "data_source": ["sokoban", "sokoban"],
+        "prompt": pa.array([PROMPT[:2], PROMPT], type=prompt_type),
+        "response": [RESPONSE, "<think> x</think><answer>Up</answer>"],
+        "ability": ["bfs", "bfs"],
+        "reward_model": ["{'ground_truth': {'numbers': array([0, 0]), 'target': 0}, 'style': 'rule'}"] * 2,
+        "extra_info": ["{'index': 100016, 'split': 'train'}", "{'index': 7, 'split': 'train'}"],
+        "__index_level_0__": [3, 9],
+    })
+    pq.write_table(table, tmp_path / "wm_train.parquet")
+    data = SpaSftDataset(str(tmp_path / "wm_train.parquet"), tiny_tokenizer)
+    assert len(data) == 2 and all(s.loss_mask.sum() > 0 for s in data.samples)
+
+
+def test_missing_file_empty_file_and_wrong_columns_raise_clear_errors(tiny_tokenizer, tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        SpaSftDataset(str(tmp_path / "nope.parquet"), tiny_tokenizer)
+    empty = write_rows(tmp_path / "empty.parquet", [], [])
+    with pytest.raises(ValueError, match="has no rows"):
+        SpaSftDataset(str(empty), tiny_tokenizer)
+    pq.write_table(pa.table({"question": ["q"], "answer": ["a"]}), tmp_path / "gsm.parquet")
+    with pytest.raises(ValueError, match=r"has columns \['question', 'answer'\]; expected"):
+        SpaSftDataset(str(tmp_path / "gsm.parquet"), tiny_tokenizer)
+    pq.write_table(pa.table({"prompt": ["text"], "response": ["a"]}), tmp_path / "flat.parquet")
+    with pytest.raises(ValueError, match="prompt: string"):
+        SpaSftDataset(str(tmp_path / "flat.parquet"), tiny_tokenizer)
+
+
+def test_bad_config_values_raise(tiny_tokenizer, row_file):
+    with pytest.raises(ValueError, match="data.loss_target='all'"):
+        SpaSftDataset(str(row_file), tiny_tokenizer, loss_target="all")
+    with pytest.raises(ValueError, match="data.truncation='middle'"):
+        SpaSftDataset(str(row_file), tiny_tokenizer, truncation="middle")
+    with pytest.raises(ValueError, match="call sft.loss_targets.prepare_tokenizer"):
+        SpaSftDataset(str(row_file), tiny_tokenizer, loss_target="released")
