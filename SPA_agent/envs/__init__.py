@@ -16,14 +16,14 @@ register(SudokuEnv, SudokuEnvConfig)
 register_gym_envs()
 
 __all__ = [
-    "REGISTRY",
     "GYM_IDS",
+    "REGISTRY",
     "BaseEnv",
-    "make_env",
-    "SokobanEnv",
-    "SokobanEnvConfig",
     "FrozenLakeEnv",
     "FrozenLakeEnvConfig",
+    "SokobanEnv",
+    "SokobanEnvConfig",
     "SudokuEnv",
     "SudokuEnvConfig",
+    "make_env",
 ]

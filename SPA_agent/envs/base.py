@@ -77,7 +77,9 @@ def build_config(config_class: type, env_config: Mapping | None) -> Any:
     known = {f.name for f in dataclasses.fields(config_class)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise ValueError(f"{config_class.__name__}: unknown env_config keys {unknown}; valid keys: {sorted(known)}")
+        raise ValueError(
+            f"{config_class.__name__}: unknown env_config keys {unknown}; valid keys: {sorted(known)}"
+        )
     return config_class(**values)
 
 
@@ -99,7 +101,9 @@ def int_keyed(mapping: Mapping, config: Any, field: str) -> dict[int, str]:
     try:
         return {int(k): str(v) for k, v in mapping.items()}
     except (TypeError, ValueError, AttributeError):
-        raise ValueError(f"{type(config).__name__}.{field}={mapping!r}: must map integers to strings") from None
+        raise ValueError(
+            f"{type(config).__name__}.{field}={mapping!r}: must map integers to strings"
+        ) from None
 
 
 def resolve_seed(seed: int | None) -> int:

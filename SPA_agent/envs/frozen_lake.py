@@ -37,8 +37,12 @@ class FrozenLakeEnvConfig:
     5 player on the goal."""
     grid_vocab: dict = field(
         default_factory=lambda: {
-            "P": "player", "_": "empty", "O": "hole", "G": "goal",
-            "X": "player in hole", "√": "player on goal",
+            "P": "player",
+            "_": "empty",
+            "O": "hole",
+            "G": "goal",
+            "X": "player in hole",
+            "√": "player on goal",
         }
     )
     """Symbol -> meaning, shown to the model in the prompt."""
@@ -49,18 +53,29 @@ class FrozenLakeEnvConfig:
         check(isinstance(self.size, int) and self.size >= 2, self, "size", "must be an integer >= 2")
         check(
             isinstance(self.p, (int, float)) and not isinstance(self.p, bool) and 0 < self.p <= 1,
-            self, "p", "must be a probability in (0, 1]",
+            self,
+            "p",
+            "must be a probability in (0, 1]",
         )
         check(isinstance(self.is_slippery, bool), self, "is_slippery", "must be true or false")
         check(
             self.map_seed is None or (isinstance(self.map_seed, int) and self.map_seed >= 0),
-            self, "map_seed", "must be null or an integer >= 0",
+            self,
+            "map_seed",
+            "must be null or an integer >= 0",
         )
         check(self.render_mode in RENDER_MODES, self, "render_mode", f"must be one of {RENDER_MODES}")
         self.grid_lookup = int_keyed(self.grid_lookup, self, "grid_lookup")
-        check(set(self.grid_lookup) == set(range(6)), self, "grid_lookup", "must give a symbol for each of 0..5")
+        check(
+            set(self.grid_lookup) == set(range(6)), self, "grid_lookup", "must give a symbol for each of 0..5"
+        )
         self.action_lookup = int_keyed(self.action_lookup, self, "action_lookup")
-        check(set(self.action_lookup) == set(GYM_ACTIONS), self, "action_lookup", "must name each of the ids 1..4")
+        check(
+            set(self.action_lookup) == set(GYM_ACTIONS),
+            self,
+            "action_lookup",
+            "must name each of the ids 1..4",
+        )
         names = [name.lower() for name in self.action_lookup.values()]
         check(len(set(names)) == len(names), self, "action_lookup", "names must differ (case-insensitively)")
 
@@ -142,7 +157,11 @@ class FrozenLakeEnv(BaseEnv):
         """The id of `action` (an id or a name), or None if it names no action."""
         if isinstance(action, str):
             return self._action_ids.get(action.strip().lower())
-        if isinstance(action, (int, np.integer)) and not isinstance(action, bool) and int(action) in GYM_ACTIONS:
+        if (
+            isinstance(action, (int, np.integer))
+            and not isinstance(action, bool)
+            and int(action) in GYM_ACTIONS
+        ):
             return int(action)
         return None
 

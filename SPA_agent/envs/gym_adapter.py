@@ -11,7 +11,7 @@ Keyword arguments of `gymnasium.make` are the env_config keys, e.g.
 from __future__ import annotations
 
 import string
-from typing import Any
+from typing import Any, ClassVar
 
 import gymnasium
 from gymnasium import spaces
@@ -26,7 +26,7 @@ CHARSET = frozenset(string.ascii_letters + string.digits + " \n_#.,;:|()√✓*@
 class TextGymEnv(gymnasium.Env):
     """A gymnasium view of one `BaseEnv`; `render_mode="ansi"` makes `render()` return the text."""
 
-    metadata = {"render_modes": ["ansi"], "render_fps": 4}
+    metadata: ClassVar[dict] = {"render_modes": ["ansi"], "render_fps": 4}
 
     def __init__(self, env_type: str, render_mode: str | None = None, **env_config: Any) -> None:
         env_class, config_class = REGISTRY[env_type]
@@ -86,5 +86,7 @@ def register_gym_envs() -> None:
     for env_type, gym_id in GYM_IDS.items():
         if gym_id not in gymnasium.registry:
             gymnasium.register(
-                id=gym_id, entry_point="SPA_agent.envs.gym_adapter:make_gym_env", kwargs={"env_type": env_type}
+                id=gym_id,
+                entry_point="SPA_agent.envs.gym_adapter:make_gym_env",
+                kwargs={"env_type": env_type},
             )

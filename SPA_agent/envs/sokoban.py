@@ -61,8 +61,13 @@ class SokobanEnvConfig:
     """Cell value -> symbol: 0 wall, 1 floor, 2 target, 3 box on target, 4 box, 5 player, 6 player on target."""
     grid_vocab: dict = field(
         default_factory=lambda: {
-            "#": "wall", "_": "empty", "O": "target", "√": "box on target",
-            "X": "box", "P": "player", "S": "player on target",
+            "#": "wall",
+            "_": "empty",
+            "O": "target",
+            "√": "box on target",
+            "X": "box",
+            "P": "player",
+            "S": "player on target",
         }
     )
     """Symbol -> meaning, shown to the model in the prompt."""
@@ -81,16 +86,27 @@ class SokobanEnvConfig:
         interior = (self.dim_x - 2) * (self.dim_y - 2)
         check(
             isinstance(self.num_boxes, int) and 1 <= self.num_boxes < interior - 1,
-            self, "num_boxes", f"must be an integer in [1, {interior - 2}] for a {self.dim_x}x{self.dim_y} room",
+            self,
+            "num_boxes",
+            f"must be an integer in [1, {interior - 2}] for a {self.dim_x}x{self.dim_y} room",
         )
-        check(isinstance(self.max_steps, int) and self.max_steps >= 1, self, "max_steps", "must be an integer >= 1")
+        check(
+            isinstance(self.max_steps, int) and self.max_steps >= 1,
+            self,
+            "max_steps",
+            "must be an integer >= 1",
+        )
         check(
             isinstance(self.search_depth, int) and self.search_depth >= 2,
-            self, "search_depth", "must be an integer >= 2",
+            self,
+            "search_depth",
+            "must be an integer >= 2",
         )
         check(self.render_mode in RENDER_MODES, self, "render_mode", f"must be one of {RENDER_MODES}")
         self.grid_lookup = int_keyed(self.grid_lookup, self, "grid_lookup")
-        check(set(self.grid_lookup) == set(range(7)), self, "grid_lookup", "must give a symbol for each of 0..6")
+        check(
+            set(self.grid_lookup) == set(range(7)), self, "grid_lookup", "must give a symbol for each of 0..6"
+        )
         self.action_lookup = int_keyed(self.action_lookup, self, "action_lookup")
         check(set(self.action_lookup) == set(MOVES), self, "action_lookup", "must name each of the ids 1..4")
         names = [name.lower() for name in self.action_lookup.values()]
@@ -119,7 +135,10 @@ class SokobanEnv(BaseEnv):
             try:
                 with legacy_global_seed(seed):
                     room = generate_room(
-                        (cfg.dim_x, cfg.dim_y), int(1.7 * (cfg.dim_x + cfg.dim_y)), cfg.num_boxes, cfg.search_depth
+                        (cfg.dim_x, cfg.dim_y),
+                        int(1.7 * (cfg.dim_x + cfg.dim_y)),
+                        cfg.num_boxes,
+                        cfg.search_depth,
                     )
                 break
             except RoomGenerationError:
@@ -177,7 +196,7 @@ class SokobanEnv(BaseEnv):
         """`Player (P) is at (r,c); box (X) is at (r,c); target (O) is at (r,c).` (zero-indexed, row-major;
         a box or player standing on a target is reported as both)."""
         lookup = self.config.grid_lookup
-        cells = lambda mask: [(int(r), int(c)) for r, c in zip(*np.nonzero(mask))]  # noqa: E731
+        cells = lambda mask: [(int(r), int(c)) for r, c in zip(*np.nonzero(mask))]
         player = cells(self.room_state == PLAYER)
         boxes = cells(np.isin(self.room_state, (BOX, BOX_ON_TARGET)))
         targets = cells(self.room_fixed == TARGET)
@@ -198,7 +217,7 @@ def push(state: np.ndarray, fixed: np.ndarray, delta: tuple[int, int]) -> np.nda
     Nothing moves if the cell two steps ahead lies beyond the grid's lower/right edge (gym-sokoban's
     bounds check; the outer walls make it irrelevant in generated rooms).
     """
-    (r, c), = zip(*np.nonzero(state == PLAYER))
+    ((r, c),) = zip(*np.nonzero(state == PLAYER))
     ahead, beyond = (r + delta[0], c + delta[1]), (r + 2 * delta[0], c + 2 * delta[1])
     if beyond[0] >= state.shape[0] or beyond[1] >= state.shape[1]:
         return state

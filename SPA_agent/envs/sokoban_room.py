@@ -84,7 +84,7 @@ def generate_room(
     if player_walk:
         random_player_walk(state, structure, cols, _displacement(boxes, targets, cols))
     mapping = {divmod(t, cols): divmod(b, cols) for t, b in zip(targets, boxes)}
-    as_grid = lambda cells: np.frombuffer(bytes(cells), dtype=np.uint8).reshape(rows, cols).copy()  # noqa: E731
+    as_grid = lambda cells: np.frombuffer(bytes(cells), dtype=np.uint8).reshape(rows, cols).copy()
     return Room(as_grid(structure), as_grid(state), mapping)
 
 

@@ -41,7 +41,12 @@ class SudokuEnvConfig:
 
     def __post_init__(self) -> None:
         check(self.board_size == BOX * BOX, self, "board_size", f"only {BOX * BOX} is supported")
-        check(isinstance(self.max_steps, int) and self.max_steps >= 1, self, "max_steps", "must be an integer >= 1")
+        check(
+            isinstance(self.max_steps, int) and self.max_steps >= 1,
+            self,
+            "max_steps",
+            "must be an integer >= 1",
+        )
         check(self.difficulty in CLUES, self, "difficulty", f"must be one of {sorted(CLUES)}")
         check(self.render_mode in RENDER_MODES, self, "render_mode", f"must be one of {RENDER_MODES}")
 
@@ -63,7 +68,7 @@ def generate_solution(rng: random.Random, size: int = BOX * BOX) -> Board:
     rows, cols = shuffled_lines(), shuffled_lines()
     digits = list(range(1, size + 1))
     rng.shuffle(digits)
-    pattern = lambda r, c: (r * BOX + r // BOX + c) % size  # noqa: E731
+    pattern = lambda r, c: (r * BOX + r // BOX + c) % size
     return [[digits[pattern(r, c)] for c in cols] for r in rows]
 
 
@@ -202,7 +207,9 @@ class SudokuEnv(BaseEnv):
 
     def empty_cells_sentence(self) -> str:
         """The 1-indexed empty cells, row-major, as the original's coordinate line."""
-        empty = [f"({r + 1},{c + 1})" for r, row in enumerate(self.board) for c, v in enumerate(row) if v == 0]
+        empty = [
+            f"({r + 1},{c + 1})" for r, row in enumerate(self.board) for c, v in enumerate(row) if v == 0
+        ]
         if not empty:
             return "No empty positions found (board might be complete)."
         if len(empty) == 1:

@@ -11,12 +11,12 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "envs"))
-from sokoban_reference import generate_room  # noqa: E402
+from sokoban_reference import generate_room
 
 CASES = [  # (name, dim, num_boxes, search_depth, seeds)
-    ("6x6_1box", (6, 6), 1, 300, range(0, 60)),
-    ("6x6_2box_depth30", (6, 6), 2, 30, range(0, 30)),
-    ("10x10_2box", (10, 10), 2, 300, range(0, 30)),
+    ("6x6_1box", (6, 6), 1, 300, range(60)),
+    ("6x6_2box_depth30", (6, 6), 2, 30, range(30)),
+    ("10x10_2box", (10, 10), 2, 300, range(30)),
 ]
 
 

@@ -161,7 +161,9 @@ def generate_room(seed, dim, num_boxes, search_depth=300):
     random.seed(seed)
     np.random.seed(seed)
     try:
-        structure, state, mapping = generate_room_core(dim, int(1.7 * (dim[0] + dim[1])), num_boxes, search_depth)
+        structure, state, mapping = generate_room_core(
+            dim, int(1.7 * (dim[0] + dim[1])), num_boxes, search_depth
+        )
         return structure, player_walk(structure, state, mapping)
     except (RuntimeError, RuntimeWarning):
         return None

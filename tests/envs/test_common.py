@@ -65,12 +65,20 @@ def test_reset_is_deterministic_and_leaves_global_rng_untouched(env_type, seed):
     first = env.reset(seed=seed)
     assert random.getstate() == python_state
     after = np.random.get_state()
-    assert after[0] == numpy_state[0] and np.array_equal(after[1], numpy_state[1]) and after[2:] == numpy_state[2:]
+    assert (
+        after[0] == numpy_state[0]
+        and np.array_equal(after[1], numpy_state[1])
+        and after[2:] == numpy_state[2:]
+    )
     assert make_env(env_type).reset(seed=seed) == first
 
 
 @settings(max_examples=20, deadline=None)
-@given(env_type=st.sampled_from(ENV_TYPES), seed=st.integers(0, 10**6), actions=st.lists(st.integers(0, 70), max_size=8))
+@given(
+    env_type=st.sampled_from(ENV_TYPES),
+    seed=st.integers(0, 10**6),
+    actions=st.lists(st.integers(0, 70), max_size=8),
+)
 def test_steps_return_text_and_info_flags(env_type, seed, actions):
     env = make_env(env_type)
     env.reset(seed=seed)
@@ -79,7 +87,9 @@ def test_steps_return_text_and_info_flags(env_type, seed, actions):
         obs, reward, done, info = env.step(names[a % len(names)])
         assert isinstance(obs, str) and isinstance(reward, float) and isinstance(done, bool)
         assert {k: type(v) for k, v in info.items()} == {
-            "success": bool, "action_is_valid": bool, "action_is_effective": bool
+            "success": bool,
+            "action_is_valid": bool,
+            "action_is_effective": bool,
         }
         assert info["action_is_valid"] or env_type == "sudoku"  # a Sudoku move onto a clue is invalid
         if done:
@@ -91,7 +101,12 @@ def test_renders_are_identical_across_processes_and_hash_seeds():
     for hash_seed in ("0", "10000", "random"):
         env = dict(os.environ, PYTHONHASHSEED=hash_seed, PYTHONPATH=str(REPO))
         result = subprocess.run(
-            [sys.executable, "-c", RENDER_SCRIPT], env=env, cwd=REPO, capture_output=True, text=True, check=True
+            [sys.executable, "-c", RENDER_SCRIPT],
+            env=env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
         )
         outputs.append(json.loads(result.stdout))
     assert outputs[0] == outputs[1] == outputs[2]
@@ -109,7 +124,7 @@ def test_gymnasium_env_passes_check_env(gym_id):
 def test_gymnasium_step_is_five_tuple_and_truncates_at_max_steps():
     env = gymnasium.make("SPA/Sokoban-v0", max_steps=2)
     assert env.reset(seed=123)[0] == make_env("sokoban").reset(seed=123)
-    _, reward, terminated, truncated, info = env.step(2)  # index 2 = id 3 = Left: into the box's wall side
+    _, reward, terminated, truncated, _ = env.step(2)  # index 2 = id 3 = Left: into the box's wall side
     assert (terminated, truncated) == (False, False) and reward == pytest.approx(-0.1)
     _, _, terminated, truncated, _ = env.step(2)
     assert (terminated, truncated) == (False, True)

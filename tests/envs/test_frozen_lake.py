@@ -36,7 +36,9 @@ def test_slips_are_one_third_each_way():
             action = CLOCKWISE[(seed + i) % 4]
             (r, c), k = env.player, CLOCKWISE.index(action)
             outcomes = {
-                "intended": action, "clockwise": CLOCKWISE[(k + 1) % 4], "counterclockwise": CLOCKWISE[(k - 1) % 4]
+                "intended": action,
+                "clockwise": CLOCKWISE[(k + 1) % 4],
+                "counterclockwise": CLOCKWISE[(k - 1) % 4],
             }
             targets = {name: (r + DELTAS[a][0], c + DELTAS[a][1]) for name, a in outcomes.items()}
             inside = all(0 <= tr < 6 and 0 <= tc < 6 for tr, tc in targets.values())
@@ -67,8 +69,10 @@ def test_falling_into_a_hole_ends_without_reward():
     env.reset(seed=123)
     obs, reward, done, info = env.step(1)  # id 1 = Left, into the hole at (1,2)
     assert obs.split("\n")[1] == "_OX_" and reward == 0.0 and done and not info["success"]
-    assert obs.endswith("Player (P) is at (1,2); hole (O) is at (1,1); hole (O) is at (1,2); "
-                        "hole (O) is at (2,1); hole (O) is at (3,0); goal (G) is at (2,0).")
+    assert obs.endswith(
+        "Player (P) is at (1,2); hole (O) is at (1,1); hole (O) is at (1,2); "
+        "hole (O) is at (2,1); hole (O) is at (3,0); goal (G) is at (2,0)."
+    )
 
 
 def test_unknown_action_is_invalid():
@@ -92,8 +96,13 @@ def test_six_by_six_map():
 
 @pytest.mark.parametrize(
     "config,field",
-    [({"p": 0.0}, "p"), ({"p": 1.5}, "p"), ({"size": 1}, "size"), ({"render_mode": "image"}, "render_mode"),
-     ({"is_slippery": "yes"}, "is_slippery")],
+    [
+        ({"p": 0.0}, "p"),
+        ({"p": 1.5}, "p"),
+        ({"size": 1}, "size"),
+        ({"render_mode": "image"}, "render_mode"),
+        ({"is_slippery": "yes"}, "is_slippery"),
+    ],
 )
 def test_bad_config_names_the_field(config, field):
     with pytest.raises(ValueError, match=field):

@@ -39,7 +39,8 @@ def test_spec_vector_seeds_do_not_need_the_fallback_seed():
 def test_coordinates_render_of_seed_123():
     env = make_env("sokoban", {"render_mode": "text_with_coordinates"})
     assert env.reset(seed=123) == (
-        SPEC_ROOMS[123].replace("/", "\n") + "\nPlayer (P) is at (3,2); box (X) is at (3,1); target (O) is at (2,1)."
+        SPEC_ROOMS[123].replace("/", "\n")
+        + "\nPlayer (P) is at (3,2); box (X) is at (3,1); target (O) is at (2,1)."
     )
 
 
@@ -56,7 +57,9 @@ def test_fast_generator_matches_reference_fixture(case):
         random.seed(seed)
         np.random.seed(seed)
         try:
-            room = generate_room((rows, cols), int(1.7 * (rows + cols)), data["num_boxes"], data["search_depth"])
+            room = generate_room(
+                (rows, cols), int(1.7 * (rows + cols)), data["num_boxes"], data["search_depth"]
+            )
         except RoomGenerationError:
             assert expected is None, seed
             continue
@@ -64,7 +67,9 @@ def test_fast_generator_matches_reference_fixture(case):
         assert room.structure.tolist() == expected[0] and room.state.tolist() == expected[1], seed
 
 
-@pytest.mark.parametrize("dim,num_boxes,seeds", [((6, 6), 1, range(500, 530)), ((10, 10), 2, range(500, 504))])
+@pytest.mark.parametrize(
+    "dim,num_boxes,seeds", [((6, 6), 1, range(500, 530)), ((10, 10), 2, range(500, 504))]
+)
 def test_fast_generator_matches_live_reference(dim, num_boxes, seeds):
     for seed in seeds:
         expected = reference_room(seed, dim, num_boxes)
@@ -146,8 +151,13 @@ def test_unknown_action_is_invalid_not_a_crash():
     env = SokobanEnv()
     before = env.reset(seed=123)
     for action in ("Jump", 0, 7, None, 2.5):
-        obs, reward, done, info = env.step(action)
-        assert obs == before and reward == -0.1 and not info["action_is_valid"] and not info["action_is_effective"]
+        obs, reward, _, info = env.step(action)
+        assert (
+            obs == before
+            and reward == -0.1
+            and not info["action_is_valid"]
+            and not info["action_is_effective"]
+        )
 
 
 def test_action_vocabulary_relabels_fixed_moves():
@@ -175,9 +185,15 @@ def test_harder_sokoban_has_two_boxes():
 
 @pytest.mark.parametrize(
     "config,field",
-    [({"num_boxes": 0}, "num_boxes"), ({"dim_x": 2, "dim_y": 2}, "dim_x"), ({"num_boxes": 15}, "num_boxes"),
-     ({"render_mode": "rgb"}, "render_mode"), ({"action_lookup": {1: "Up"}}, "action_lookup"),
-     ({"grid_lookup": {0: "#"}}, "grid_lookup"), ({"max_steps": 0}, "max_steps")],
+    [
+        ({"num_boxes": 0}, "num_boxes"),
+        ({"dim_x": 2, "dim_y": 2}, "dim_x"),
+        ({"num_boxes": 15}, "num_boxes"),
+        ({"render_mode": "rgb"}, "render_mode"),
+        ({"action_lookup": {1: "Up"}}, "action_lookup"),
+        ({"grid_lookup": {0: "#"}}, "grid_lookup"),
+        ({"max_steps": 0}, "max_steps"),
+    ],
 )
 def test_bad_config_names_the_field(config, field):
     with pytest.raises(ValueError, match=field):

@@ -7,13 +7,17 @@ from SPA_agent.envs.sudoku import candidates, count_solutions, parse_move
 
 SPEC_PUZZLES = {  # spec §3.4: seed -> (text_with_coordinates render, solution rows)
     123: (
-        "| 3 2 4 1 | . 4 . . | 2 . 3 . | 4 3 . 2 \n"
-        "Empty positions to be filled are at (2,1), (2,3), (2,4), (3,2), (3,4), (4,3).",
+        (
+            "| 3 2 4 1 | . 4 . . | 2 . 3 . | 4 3 . 2 \n"
+            "Empty positions to be filled are at (2,1), (2,3), (2,4), (3,2), (3,4), (4,3)."
+        ),
         ["3241", "1423", "2134", "4312"],
     ),
     10000: (
-        "| 4 . . 3 | 3 1 . . | . 4 . 2 | 2 3 4 1 \n"
-        "Empty positions to be filled are at (1,2), (1,3), (2,3), (2,4), (3,1), (3,3).",
+        (
+            "| 4 . . 3 | 3 1 . . | . 4 . 2 | 2 3 4 1 \n"
+            "Empty positions to be filled are at (1,2), (1,3), (2,3), (2,4), (3,1), (3,3)."
+        ),
         ["4213", "3124", "1432", "2341"],
     ),
 }
@@ -41,9 +45,20 @@ def test_puzzles_have_the_clue_count_and_a_unique_solution(difficulty, clues):
 
 @pytest.mark.parametrize(
     "text,move",
-    [("2,1,1", (1, 0, 1)), (" 2, 1, 1 ", (1, 0, 1)), ("2 1 1", (1, 0, 1)), ("place 3 at row 2 col 1", (1, 0, 3)),
-     ("Row 4 Col 3 value 1", (3, 2, 1)), ("5,1,1", None), ("1,1,0", None), ("1,1", None), ("a,b,c", None),
-     ("", None), ("row col", None), ("-1,2,3", None)],
+    [
+        ("2,1,1", (1, 0, 1)),
+        (" 2, 1, 1 ", (1, 0, 1)),
+        ("2 1 1", (1, 0, 1)),
+        ("place 3 at row 2 col 1", (1, 0, 3)),
+        ("Row 4 Col 3 value 1", (3, 2, 1)),
+        ("5,1,1", None),
+        ("1,1,0", None),
+        ("1,1", None),
+        ("a,b,c", None),
+        ("", None),
+        ("row col", None),
+        ("-1,2,3", None),
+    ],
 )
 def test_parse_move(text, move):
     assert parse_move(text) == move
@@ -88,7 +103,9 @@ def test_agent_filled_cells_can_be_overwritten():
     env = make_env("sudoku", {"difficulty": "hard"})
     env.reset(seed=0)
     r, c, options = next(
-        (r, c, candidates(env.board, r, c)) for r in range(4) for c in range(4)
+        (r, c, candidates(env.board, r, c))
+        for r in range(4)
+        for c in range(4)
         if env.board[r][c] == 0 and len(candidates(env.board, r, c)) >= 2
     )
     assert env.step(f"{r + 1},{c + 1},{options[0]}")[3]["action_is_effective"]
@@ -109,8 +126,13 @@ def test_all_actions_are_every_move():
 
 @pytest.mark.parametrize(
     "config,field",
-    [({"board_size": 2}, "board_size"), ({"board_size": 9}, "board_size"), ({"difficulty": "expert"}, "difficulty"),
-     ({"render_mode": "image"}, "render_mode"), ({"max_steps": -1}, "max_steps")],
+    [
+        ({"board_size": 2}, "board_size"),
+        ({"board_size": 9}, "board_size"),
+        ({"difficulty": "expert"}, "difficulty"),
+        ({"render_mode": "image"}, "render_mode"),
+        ({"max_steps": -1}, "max_steps"),
+    ],
 )
 def test_bad_config_names_the_field(config, field):
     with pytest.raises(ValueError, match=field):
