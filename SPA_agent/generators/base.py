@@ -90,3 +90,16 @@ def call_seed(seed: int, call_index: int) -> int:
     import numpy as np
 
     return int(np.random.SeedSequence([seed, call_index]).generate_state(1)[0])
+
+
+def stop_token_ids(tokenizer, *configs) -> list[int]:
+    """Ids that end an assistant turn: the eos ids of the tokenizer and of each config given (a model's
+    generation config and config; Qwen2.5: `<|im_end|>` and `<|endoftext|>`). Sorted, without repeats."""
+    ids: set[int] = set()
+    for source in (*configs, tokenizer):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None:
+            ids.update([eos] if isinstance(eos, int) else eos)
+    if not ids:
+        raise ValueError("neither the model nor the tokenizer defines an eos token: cannot detect the end of a turn")
+    return sorted(ids)

@@ -18,22 +18,15 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from SPA_agent.generators.base import FINISH_LENGTH, FINISH_STOP, Generation, Prompt, SamplingParams, call_seed
+from SPA_agent.generators.base import (
+    FINISH_LENGTH, FINISH_STOP, Generation, Prompt, SamplingParams, call_seed, stop_token_ids)
 
 DECODERS = ("auto", "generate", "static")
 
 
 def end_of_turn_ids(model, tokenizer) -> list[int]:
-    """Ids that end an assistant turn: eos of the model's generation config, its config and the tokenizer
-    (Qwen2.5: `<|im_end|>` and `<|endoftext|>`)."""
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
-        eos = getattr(source, "eos_token_id", None)
-        if eos is not None:
-            ids.update([eos] if isinstance(eos, int) else eos)
-    if not ids:
-        raise ValueError("neither the model nor the tokenizer defines an eos token: cannot detect the end of a turn")
-    return sorted(ids)
+    """Ids that end an assistant turn for a loaded model (see `base.stop_token_ids`)."""
+    return stop_token_ids(tokenizer, getattr(model, "generation_config", None), model.config)
 
 
 def pad_token_id(tokenizer, stop_ids: list[int]) -> int:
