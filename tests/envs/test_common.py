@@ -138,3 +138,14 @@ def test_gymnasium_kwargs_are_env_config():
     env = gymnasium.make("SPA/FrozenLake-v0", is_slippery=False)
     env.reset(seed=123)
     assert env.step(0)[2] is True  # Left into the hole: terminated
+
+
+@pytest.mark.parametrize("config_name", ["_2_sokoban", "_3_frozen_lake", "_10_sudoku"])
+def test_every_configured_env_builds_from_composed_config(config_name):
+    from SPA_agent.config import compose
+
+    cfg = compose(config_name, ["render_mode=text_with_coordinates"])
+    for tag, spec in cfg.custom_envs.items():
+        env = make_env(spec.env_type, spec.env_config)
+        assert env.config.render_mode == "text_with_coordinates", tag
+        assert isinstance(env.reset(seed=0), str) and env.get_all_actions(), tag
