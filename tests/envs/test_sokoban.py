@@ -198,3 +198,14 @@ def test_harder_sokoban_has_two_boxes():
 def test_bad_config_names_the_field(config, field):
     with pytest.raises(ValueError, match=field):
         make_env("sokoban", config)
+
+
+def test_coordinates_report_covered_targets_as_in_the_prompt_example():
+    env = _env_with("######/#_O__#/#_X__#/#_P__#/#____#/######", render_mode="text_with_coordinates")
+    obs = env.step("Up")[0]
+    assert obs == (
+        "######\n#_√__#\n#_P__#\n#____#\n#____#\n######\n"
+        "Player (P) is at (2,2); box (X) is at (1,2); target (O) is at (1,2)."
+    )
+    env = _env_with("#####/#_S_#/#_X_#/#___#/#####", render_mode="text_with_coordinates")
+    assert env.render().endswith("Player (P) is at (1,2); box (X) is at (2,2); target (O) is at (1,2).")
