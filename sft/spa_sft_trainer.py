@@ -1,0 +1,337 @@
+"""Stage 2: world-model SFT (spec §9), an FSDP2 trainer launched by torchrun.
+
+    torchrun --standalone --nproc_per_node=4 -m sft.spa_sft_trainer data.train_files=sftdata/x/wm_train.parquet \
+        data.val_files=sftdata/x/wm_val.parquet model.partial_pretrain=Qwen/Qwen2.5-1.5B-Instruct
+    python -m sft.spa_sft_trainer data.train_files=... model.partial_pretrain=tiny      # one CPU process
+
+Same code path for one CPU process (gloo) and N GPUs (NCCL, bf16). Each optimizer step takes a global batch
+of `data.train_batch_size` rows (every rank draws the same shuffled indices), splits it into packed (or padded)
+micro-batches spread evenly over ranks, and divides the summed token loss by the global number of trained
+tokens, so the update does not depend on the micro-batch split or the number of ranks.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import hydra
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.device_mesh import init_device_mesh
+from tqdm import tqdm
+
+from SPA_agent.tiny import resolve_model_path
+from sft import checkpointing as ckpt
+from sft.fsdp_model import add_lora, full_state_dict, load_model, merged_hf_state_dict, shard, \
+    trainable_state_dict
+from sft.loss_targets import LossTarget, prepare_tokenizer
+from sft.packing import collate_packed, collate_padded, count_loss_tokens, plan_packed, plan_padded, \
+    token_loss_sum
+from sft.spa_sft_dataset import SpaSftDataset
+from sft.tracking import MetricsLogger
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class SftTrainer:
+    """setup / train / save_checkpoint / cleanup over `cfg` (sft/config/sft_trainer.yaml)."""
+
+    def __init__(self, cfg: DictConfig, rank: int = 0, world_size: int = 1, local_rank: int = 0,
+                 init_method: str | None = None):
+        self.cfg, self.rank, self.world_size, self.local_rank = cfg, rank, world_size, local_rank
+        self.init_method = init_method or f"tcp://127.0.0.1:{_free_port()}"
+        self.out_dir = Path(cfg.trainer.default_local_dir)
+        self.global_step = 0
+
+    # ---------------------------------------------------------------- setup
+    def setup(self) -> None:
+        self._check_batch_sizes()
+        self._init_distributed()
+        torch.manual_seed(self.cfg.trainer.seed)
+        self.model_path = resolve_model_path(self.cfg.model.partial_pretrain)
+        self._build_data()
+        self._build_model()
+        self._build_optimizer()
+        resumed = self._maybe_resume()
+        if self.rank == 0:
+            ckpt.clean_staging(self.out_dir)
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            OmegaConf.save(self.cfg, self.out_dir / "sft_config.yaml")
+            self.metrics = MetricsLogger(self.out_dir, list(self.cfg.trainer.logger), self.cfg.trainer.project_name,
+                                         self.cfg.trainer.experiment_name, OmegaConf.to_container(self.cfg),
+                                         self.cfg.trainer.get("wandb_mode", "offline"), resumed)
+
+    def _check_batch_sizes(self) -> None:
+        data = self.cfg.data
+        per_rank_unit = self.world_size * (1 if data.packing else data.micro_batch_size_per_gpu)
+        if data.train_batch_size % per_rank_unit:
+            what = "ranks" if data.packing else "ranks × data.micro_batch_size_per_gpu"
+            raise ValueError(f"data.train_batch_size={data.train_batch_size} is not divisible by {what} = "
+                             f"{per_rank_unit}")
+        if data.packing and data.max_tokens_per_micro_batch < data.max_length:
+            raise ValueError(f"data.max_tokens_per_micro_batch={data.max_tokens_per_micro_batch} must be >= "
+                             f"data.max_length={data.max_length}")
+
+    def _init_distributed(self) -> None:
+        wanted = self.cfg.trainer.device
+        use_cuda = torch.cuda.is_available() if wanted == "auto" else wanted == "cuda"
+        if use_cuda:
+            torch.cuda.set_device(self.local_rank)
+        self.device = torch.device("cuda", self.local_rank) if use_cuda else torch.device("cpu")
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if use_cuda else "gloo", init_method=self.init_method,
+                                    rank=self.rank, world_size=self.world_size)
+        self.mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("fsdp",))
+
+    def _build_data(self) -> None:
+        from transformers import AutoTokenizer
+
+        data = self.cfg.data
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path,
+                                                       trust_remote_code=self.cfg.model.trust_remote_code)
+        prepare_tokenizer(self.tokenizer, LossTarget.parse(data.loss_target))
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
+            else self.tokenizer.eos_token_id
+        make = lambda files: SpaSftDataset(  # noqa: E731
+            OmegaConf.to_object(files) if OmegaConf.is_list(files) else files, self.tokenizer, data.max_length,
+            data.truncation, data.loss_target, data.prompt_key, data.response_key)
+        self.train_data = make(data.train_files)
+        self.val_data = make(data.val_files) if data.val_files else None
+        self.steps_per_epoch = len(self.train_data) // data.train_batch_size
+        if self.steps_per_epoch == 0:
+            raise ValueError(f"the training set has {len(self.train_data)} rows, fewer than "
+                             f"data.train_batch_size={data.train_batch_size}")
+        total = self.steps_per_epoch * self.cfg.trainer.total_epochs
+        self.total_steps = min(total, self.cfg.trainer.total_training_steps or total)
+
+    def _build_model(self) -> None:
+        mcfg = self.cfg.model
+        model = add_lora(load_model(self.model_path, mcfg, len(self.tokenizer)), mcfg)
+        self.lora_scale = mcfg.lora_alpha / mcfg.lora_rank if mcfg.lora_rank > 0 else None
+        self.model = shard(model, self.mesh, bf16=self.device.type == "cuda")
+
+    def _build_optimizer(self) -> None:
+        from transformers import get_cosine_schedule_with_warmup
+
+        optim = self.cfg.optim
+        if optim.lr_scheduler != "cosine":
+            raise ValueError(f"optim.lr_scheduler={optim.lr_scheduler!r}: only cosine is implemented")
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas),
+                                           weight_decay=optim.weight_decay)
+        warmup = int(optim.warmup_steps_ratio * self.total_steps)
+        self.scheduler = get_cosine_schedule_with_warmup(self.optimizer, warmup, self.total_steps)
+
+    def _maybe_resume(self) -> int:
+        """Load the newest resumable checkpoint when `trainer.resume=auto`; returns its step (0 if none)."""
+        if self.cfg.trainer.resume == "disable":
+            return 0
+        if self.cfg.trainer.resume != "auto":
+            raise ValueError(f"trainer.resume={self.cfg.trainer.resume!r}: use auto or disable")
+        latest = ckpt.latest_resumable(self.out_dir)
+        if latest is None:
+            return 0
+        self._load_checkpoint(latest)
+        return self.global_step
+
+    def _load_checkpoint(self, path: Path) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        state_dir = path / ckpt.TRAIN_STATE
+        options = StateDictOptions(full_state_dict=True, strict=False)
+        if self.lora_scale is None:
+            from safetensors.torch import load_file
+
+            weights = {}
+            for shard_file in sorted(path.glob("*.safetensors")):
+                weights.update(load_file(shard_file))
+        else:
+            weights = torch.load(state_dir / "adapter.pt", weights_only=True)
+        set_model_state_dict(self.model, weights, options=options)
+        optim_state = torch.load(state_dir / "optimizer.pt", weights_only=False)
+        set_optimizer_state_dict(self.model, self.optimizer, optim_state, options=options)
+        self.scheduler.load_state_dict(torch.load(state_dir / "scheduler.pt", weights_only=True))
+        rng_file = state_dir / f"rng_rank{self.rank}.pt"
+        if rng_file.is_file():
+            torch.set_rng_state(torch.load(rng_file, weights_only=True))
+        self.global_step = ckpt.read_state(path)["global_step"]
+        if self.rank == 0:
+            print(f"resumed from {path} (step {self.global_step})", flush=True)
+
+    # ---------------------------------------------------------------- training
+    def epoch_order(self, epoch: int) -> list[int]:
+        """The shuffled row order of an epoch (same on every rank, from trainer.seed and the epoch)."""
+        generator = torch.Generator().manual_seed(self.cfg.trainer.seed * 1_000_003 + epoch)
+        return torch.randperm(len(self.train_data), generator=generator).tolist()
+
+    def train(self, stop_at_step: int | None = None) -> None:
+        """Run until `total_steps` (or `stop_at_step`, to simulate an interrupted run)."""
+        last = min(self.total_steps, stop_at_step or self.total_steps)
+        bar = tqdm(total=self.total_steps, initial=self.global_step, disable=self.rank != 0, desc="sft",
+                   dynamic_ncols=True)
+        size = self.cfg.data.train_batch_size
+        while self.global_step < last:
+            epoch, index = divmod(self.global_step, self.steps_per_epoch)
+            order = self.epoch_order(epoch)
+            metrics = self.train_step(order[index * size:(index + 1) * size])
+            self.global_step += 1
+            end_of_epoch = self.global_step % self.steps_per_epoch == 0 or self.global_step == self.total_steps
+            if end_of_epoch and self.val_data is not None:
+                metrics["val/loss"] = self.validate()
+            self._log(metrics | {"train/epoch": epoch + (index + 1) / self.steps_per_epoch}, bar)
+            freq = self.cfg.trainer.save_freq
+            if end_of_epoch or (freq and freq > 0 and self.global_step % freq == 0):
+                self.save_checkpoint(end_of_epoch)
+        bar.close()
+
+    def _collate(self, indices: list[int], dataset: SpaSftDataset) -> dict[str, torch.Tensor]:
+        samples = [dataset[i] for i in indices]
+        if self.cfg.data.packing:
+            return collate_packed(samples, self.pad_id)
+        return collate_padded(samples, self.pad_id)
+
+    def _plan(self, indices: list[int], dataset: SpaSftDataset) -> list[list[list[int]]]:
+        data = self.cfg.data
+        if data.packing:
+            return plan_packed(indices, dataset.lengths, self.world_size, data.max_tokens_per_micro_batch)
+        return plan_padded(indices, dataset.lengths, self.world_size, data.micro_batch_size_per_gpu)
+
+    def train_step(self, indices: list[int]) -> dict[str, float]:
+        """One optimizer step on the global batch `indices`; returns the step's metrics."""
+        start = time.perf_counter()
+        plan = self._plan(indices, self.train_data)
+        batches = [[self._collate(m, self.train_data) for m in rank_plan] for rank_plan in plan]
+        n_loss = sum(count_loss_tokens(b) for rank_batches in batches for b in rank_batches)
+        # FSDP averages gradients over ranks; world_size / n_loss makes the result sum(loss) / n_loss.
+        scale = self.world_size / max(n_loss, 1)
+        loss_sum = torch.zeros((), device=self.device)
+        for batch in batches[self.rank]:
+            loss = token_loss_sum(self.model, {k: v.to(self.device) for k, v in batch.items()})
+            (loss * scale).backward()
+            loss_sum += loss.detach()
+        lr = self.scheduler.get_last_lr()[0]
+        grad_norm = self._clip_and_step()
+        dist.all_reduce(loss_sum)
+        real = sum(len(self.train_data[i]) for i in indices)
+        slots = sum(b["input_ids"].numel() for rank_batches in batches for b in rank_batches)
+        elapsed = time.perf_counter() - start
+        return {"train/loss": loss_sum.item() / max(n_loss, 1), "train/lr": lr,
+                "train/grad_norm": grad_norm, "train/tokens_per_s": real / elapsed,
+                "train/useful_token_fraction": real / slots, "train/loss_tokens": float(n_loss)}
+
+    def _clip_and_step(self) -> float:
+        """Clip to optim.clip_grad, step unless the norm is not finite (spec §9.2), advance the schedule."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.clip_grad)
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        if math.isfinite(norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return norm
+
+    @torch.no_grad()
+    def validate(self) -> float:
+        """Mean token loss over the whole validation set (all ranks)."""
+        indices = list(range(len(self.val_data)))
+        plan = self._plan(indices, self.val_data)
+        totals = torch.zeros(2, device=self.device, dtype=torch.float64)
+        for micro in plan[self.rank]:
+            batch = self._collate(micro, self.val_data)
+            totals[0] += token_loss_sum(self.model, {k: v.to(self.device) for k, v in batch.items()}).double()
+            totals[1] += count_loss_tokens(batch)
+        dist.all_reduce(totals)
+        return (totals[0] / totals[1].clamp(min=1)).item()
+
+    def _log(self, metrics: dict[str, float], bar: tqdm) -> None:
+        if self.rank != 0:
+            return
+        self.metrics.log(metrics, self.global_step)
+        bar.update(1)
+        bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", lr=f"{metrics['train/lr']:.2e}",
+                        tok_s=f"{metrics['train/tokens_per_s']:.0f}")
+        if "val/loss" in metrics:
+            tqdm.write(f"step {self.global_step}: val/loss {metrics['val/loss']:.4f}")
+
+    # ---------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, end_of_epoch: bool) -> Path:
+        """Write `global_step_N/` (HF model + tokenizer + train_state/) atomically; prune old ones."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        staging = ckpt.staging_dir(self.out_dir, self.global_step)
+        state = full_state_dict(self.model)
+        optim_state = get_optimizer_state_dict(self.model, self.optimizer,
+                                               options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank == 0:
+            staging.mkdir(parents=True, exist_ok=True)
+            self._save_hf(staging, state)
+            state_dir = staging / ckpt.TRAIN_STATE
+            state_dir.mkdir(exist_ok=True)
+            torch.save(optim_state, state_dir / "optimizer.pt")
+            torch.save(self.scheduler.state_dict(), state_dir / "scheduler.pt")
+            if self.lora_scale is not None:
+                torch.save(trainable_state_dict(self.model, state), state_dir / "adapter.pt")
+        dist.barrier()
+        torch.save(torch.get_rng_state(), staging / ckpt.TRAIN_STATE / f"rng_rank{self.rank}.pt")
+        dist.barrier()
+        final = ckpt.step_dir(self.out_dir, self.global_step)
+        if self.rank == 0:
+            epoch, index = divmod(self.global_step, self.steps_per_epoch)
+            ckpt.write_state(staging, {"global_step": self.global_step, "epoch": epoch, "step_in_epoch": index,
+                                       "end_of_epoch": end_of_epoch, "total_steps": self.total_steps})
+            ckpt.publish(self.out_dir, self.global_step)
+            ckpt.prune(self.out_dir, self.cfg.trainer.max_ckpt_to_keep)
+        dist.barrier()
+        return final
+
+    def _save_hf(self, directory: Path, state: dict[str, torch.Tensor]) -> None:
+        model = self.model.get_base_model() if self.lora_scale is not None else self.model
+        model.save_pretrained(directory, state_dict=merged_hf_state_dict(state, self.lora_scale))
+        self.tokenizer.save_pretrained(directory)
+
+    def cleanup(self) -> None:
+        if self.rank == 0 and hasattr(self, "metrics"):
+            self.metrics.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@hydra.main(config_path="config", config_name="sft_trainer", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    """Entry point: reads torchrun's RANK/WORLD_SIZE/LOCAL_RANK; user errors exit with status 2."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    init_method = "env://" if "MASTER_ADDR" in os.environ else None
+    with cfg_unlocked(cfg):
+        cfg.trainer.wandb_mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+    trainer = SftTrainer(cfg, rank, world, local_rank, init_method)
+    try:
+        trainer.setup()
+        trainer.train()
+    except (ValueError, FileNotFoundError) as error:
+        if rank == 0:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        trainer.cleanup()
+        sys.exit(2)
+    trainer.cleanup()
+
+
+def cfg_unlocked(cfg: DictConfig):
+    from omegaconf import open_dict
+
+    return open_dict(cfg)
+
+
+if __name__ == "__main__":
+    main()

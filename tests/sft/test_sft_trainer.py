@@ -1,0 +1,135 @@
+"""End-to-end SFT runs on the tiny model: learning, checkpoints, resume, 2-process equivalence, entry errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from sft_fixtures import synthetic_rows, write_rows
+
+from sft.spa_sft_trainer import SftTrainer
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG_DIR = REPO / "sft" / "config"
+
+
+def compose(overrides: list[str]):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return hydra_compose(config_name="sft_trainer", overrides=overrides)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sftdata")
+    write_rows(root / "wm_train.parquet", *synthetic_rows(16, seed=0))
+    write_rows(root / "wm_val.parquet", *synthetic_rows(4, seed=1))
+    return root
+
+
+def overrides(data_dir: Path, out_dir: Path, *extra: str) -> list[str]:
+    """16 rows, batch 4: 4 steps per epoch; 6 steps in all, checkpoints at 2, 4 (epoch end) and 6."""
+    return [f"data.train_files={data_dir}/wm_train.parquet", f"data.val_files={data_dir}/wm_val.parquet",
+            "model.partial_pretrain=tiny", f"trainer.default_local_dir={out_dir}", "data.max_length=96",
+            "data.train_batch_size=4", "data.max_tokens_per_micro_batch=192", "optim.lr=3e-3",
+            "trainer.total_epochs=2", "trainer.total_training_steps=6", "trainer.save_freq=2",
+            "trainer.max_ckpt_to_keep=1", "trainer.device=cpu", *extra]
+
+
+def run(cfg, stop_at_step: int | None = None) -> None:
+    trainer = SftTrainer(cfg)
+    try:
+        trainer.setup()
+        trainer.train(stop_at_step)
+    finally:
+        trainer.cleanup()
+
+
+def records(out_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def full_run(data_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("full")
+    run(compose(overrides(data_dir, out)))
+    return out
+
+
+@pytest.mark.slow
+def test_loss_decreases_and_metrics_are_logged(full_run):
+    rows = records(full_run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    losses = [r["train/loss"] for r in rows]
+    assert losses[-1] < losses[0] - 0.5
+    assert {"train/lr", "train/grad_norm", "train/tokens_per_s", "train/useful_token_fraction"} <= set(rows[0])
+    assert rows[0]["train/useful_token_fraction"] == 1.0  # packed: no padding
+    val = [r["val/loss"] for r in rows if "val/loss" in r]
+    assert len(val) == 2 and val[1] < val[0]
+
+
+@pytest.mark.slow
+def test_checkpoints_load_with_from_pretrained_and_retention_prunes(full_run, data_dir, tiny_dir, tiny_tokenizer):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sft.packing import collate_packed, token_loss_sum
+    from sft.spa_sft_dataset import SpaSftDataset
+
+    assert sorted(p.name for p in full_run.glob("global_step_*")) == ["global_step_4", "global_step_6"]
+    assert not (full_run / "global_step_4" / "train_state").exists()  # old epoch end: HF weights only
+    assert (full_run / "global_step_6" / "train_state" / "optimizer.pt").is_file()
+    tuned = AutoModelForCausalLM.from_pretrained(full_run / "global_step_6")
+    tokenizer = AutoTokenizer.from_pretrained(full_run / "global_step_6")
+    assert tokenizer.get_vocab() == tiny_tokenizer.get_vocab()
+    base = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    val = SpaSftDataset(str(data_dir / "wm_val.parquet"), tokenizer, max_length=96)
+    batch = collate_packed(val.samples, pad_id=0)
+    with torch.no_grad():
+        assert token_loss_sum(tuned, batch) < token_loss_sum(base, batch)
+
+
+@pytest.mark.slow
+def test_resume_after_interruption_equals_uninterrupted_run(full_run, data_dir, tmp_path):
+    run(compose(overrides(data_dir, tmp_path)), stop_at_step=3)  # killed after step 3: step 3 is lost
+    assert max(r["step"] for r in records(tmp_path)) == 3
+    run(compose(overrides(data_dir, tmp_path)))  # resume=auto picks global_step_2
+    expected, got = records(full_run), records(tmp_path)
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]
+    for a, b in zip(expected, got):
+        assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-5)
+    weights = [load_file(d / "global_step_6" / "model.safetensors") for d in (full_run, tmp_path)]
+    for key, value in weights[0].items():
+        torch.testing.assert_close(weights[1][key], value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_two_process_torchrun_matches_one_process(full_run, data_dir, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "-m", "sft.spa_sft_trainer", *overrides(data_dir, tmp_path)]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for a, b in zip(records(full_run), records(tmp_path), strict=True):
+        assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-4)
+        assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-3)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["data.train_batch_size=3", "data.packing=false", "data.micro_batch_size_per_gpu=2"],
+     "data.train_batch_size=3 is not divisible by ranks × data.micro_batch_size_per_gpu = 2"),
+    (["data.train_files=/nonexistent/wm_train.parquet"], "does not exist"),
+])
+def test_entry_point_user_errors_exit_2_with_one_line(data_dir, tmp_path, extra, message):
+    command = [sys.executable, "-m", "sft.spa_sft_trainer", *overrides(data_dir, tmp_path), *extra]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr
