@@ -1,0 +1,118 @@
+"""PNG plots (matplotlib, Agg backend): pass@k over k from an evaluation, and validation success / pass@G over
+training steps from a PPO run's metrics.jsonl.
+
+    python -m SPA_agent.plots <run dir or eval dir> [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Mapping
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from SPA_agent import atomic_io  # noqa: E402
+
+VAL_KEY = re.compile(r"^val-env/(?P<tag>[^/]+)/(?P<name>success|pass@\d+)$")
+
+
+def _save(fig, path: Path) -> Path:
+    atomic_io.write_atomic(Path(path), lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
+    plt.close(fig)
+    return Path(path)
+
+
+def _ks(metrics: Mapping) -> list[int]:
+    """The k values of the `pass@<k>` keys."""
+    return [int(m.group(1)) for key in metrics if (m := re.fullmatch(r"pass@(\d+)", key))]
+
+
+def plot_passk(result: Mapping, path: Path) -> Path:
+    """Unbiased pass@k against k with its 95% bootstrap band, one line per env tag (`result` = eval.json)."""
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for tag, metrics in result["metrics"].items():
+        ks = sorted(_ks(metrics))
+        if not ks:
+            continue
+        ax.plot(ks, [metrics[f"pass@{k}"] for k in ks], marker="o", label=tag)
+        ax.fill_between(ks, [metrics[f"pass@{k}_ci_low"] for k in ks], [metrics[f"pass@{k}_ci_high"] for k in ks],
+                        alpha=0.2)
+    ax.set(xlabel="k", ylabel="pass@k (unbiased)", ylim=(0, 1), xscale="log", title=result.get("model_name", ""))
+    ax.set_xticks(sorted({k for m in result["metrics"].values() for k in _ks(m)}) or [1])
+    ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.legend()
+    return _save(fig, path)
+
+
+def read_metrics_jsonl(path: Path) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """{tag: {metric: [(step, value), …]}} of the `val-env/<Tag>/success|pass@G` keys in a metrics.jsonl."""
+    curves: dict[str, dict[str, list[tuple[int, float]]]] = defaultdict(lambda: defaultdict(list))
+    for line_no, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{line_no} is not a JSON line ({err})") from err
+        for key, value in record.items():
+            match = VAL_KEY.match(key)
+            if match and "step" in record and value is not None:
+                curves[match["tag"]][match["name"]].append((int(record["step"]), float(value)))
+    return curves
+
+
+def plot_training(run_dir: Path, out_path: Path | None = None) -> Path:
+    """Validation success and pass@G over training steps, one panel per env tag."""
+    metrics_file = Path(run_dir) / "metrics.jsonl"
+    if not metrics_file.is_file():
+        raise FileNotFoundError(f"{metrics_file} not found: pass a PPO run directory (it holds metrics.jsonl)")
+    curves = read_metrics_jsonl(metrics_file)
+    if not curves:
+        raise ValueError(f"{metrics_file} has no val-env/<Tag>/success or pass@<G> values with a step")
+    fig, axes = plt.subplots(1, len(curves), figsize=(5 * len(curves), 3.5), squeeze=False)
+    for ax, (tag, series) in zip(axes[0], sorted(curves.items())):
+        for name, points in sorted(series.items()):
+            steps, values = zip(*sorted(points))
+            ax.plot(steps, values, marker=".", label=name)
+        ax.set(title=tag, xlabel="training step", ylabel="validation", ylim=(0, 1))
+        ax.legend()
+    return _save(fig, out_path or Path(run_dir) / "val_curves.png")
+
+
+def plot_dir(path: Path, out_dir: Path | None = None) -> list[Path]:
+    """Every plot that `path` supports: eval.json → passk.png; metrics.jsonl → val_curves.png."""
+    path, written = Path(path), []
+    out_dir = Path(out_dir) if out_dir else path
+    if (path / "eval.json").is_file():
+        written.append(plot_passk(json.loads((path / "eval.json").read_text()), out_dir / "passk.png"))
+    if (path / "metrics.jsonl").is_file():
+        written.append(plot_training(path, out_dir / "val_curves.png"))
+    if not written:
+        raise FileNotFoundError(f"{path} holds neither eval.json nor metrics.jsonl")
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Plot pass@k (eval dir) and validation curves (PPO run dir).")
+    parser.add_argument("run_dir", type=Path, help="an evaluation directory or a PPO run directory")
+    parser.add_argument("--out", type=Path, default=None, help="directory for the PNGs (default: run_dir)")
+    args = parser.parse_args(argv)
+    try:
+        for path in plot_dir(args.run_dir, args.out):
+            print(path)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

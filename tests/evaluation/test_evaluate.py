@@ -1,0 +1,128 @@
+"""SPA_agent.evaluate end to end (tiny model, random generator), bad inputs, partial results on request
+failures; report and plots on small run directories."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from omegaconf import OmegaConf
+
+from SPA_agent.config import compose
+from SPA_agent.evaluate import evaluate, model_name, prepare_eval_config
+from SPA_agent.generators import build_generator
+from SPA_agent.generators.base import FINISH_ERROR, Generation
+from SPA_agent.plots import plot_training
+from SPA_agent.report import build_report
+from SPA_agent.report import main as report_main
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SMALL = ["++evaluation.n=2", "++evaluation.k=[1,2]", "++evaluation.num_puzzles=4", "agent_proxy.max_turn=2",
+         "actor_rollout_ref.rollout.response_length=8"]
+
+
+def eval_config(out_dir, *overrides, config_name="_2_sokoban"):
+    """A prepared tiny config; `++` overrides work whether or not base.yaml lists the evaluation block."""
+    cfg = compose(config_name, ["model=tiny", *SMALL, *overrides, f"++evaluation.output_dir={out_dir}"])
+    return prepare_eval_config(cfg, config_name)
+
+
+@pytest.mark.slow
+def test_tiny_model_end_to_end(tmp_path):
+    cfg = eval_config(tmp_path / "eval")
+    result = evaluate(cfg)
+    assert result["complete"] and result["num_trajectories"] == 8
+    m = result["metrics"]["SimpleSokoban"]
+    assert {"success", "pass@1", "pass@2", "pass@2_ci_low", "pass@2_ci_high", "pass_any@2", "num_actions",
+            "action_is_valid", "action_is_effective", "response_length"} <= set(m)
+    assert m["pass@1"] == pytest.approx(m["success"]) and m["response_length"] > 0
+    assert [p["seed"] for p in result["per_puzzle"]["SimpleSokoban"]] == [123, 124, 125, 126]
+    lines = (tmp_path / "eval" / "trajectories.jsonl").read_text().splitlines()
+    assert len(lines) == 8 and {"messages", "actions", "rewards", "true_states"} <= set(json.loads(lines[0]))
+    assert (tmp_path / "eval" / "passk.png").read_bytes().startswith(PNG_MAGIC)
+    assert json.loads((tmp_path / "eval" / "eval.json").read_text())["config"]["es_manager"]["val"]["group_size"] == 2
+
+
+def test_worldmodel_mode_reports_state_accuracy(tmp_path):
+    cfg = eval_config(tmp_path / "wm", "generator=random", "++evaluation.prompt_mode=add_worldmodel")
+    result = evaluate(cfg)
+    m = result["metrics"]["SimpleSokoban"]
+    assert m["worldmodel/format_rate"] == 1.0
+    # The random generator repeats the previous turn's (empty at turn 1) states: never the true state.
+    assert m["worldmodel/observation_exact"] == 0.0 and "worldmodel/prediction_cell" in m
+
+
+class FlakyGenerator:
+    """A generator whose requests fail for the first prompt of every call (as an API under load would), and
+    which raises outright on a chosen call — exercising the evaluator's partial-result path."""
+
+    def __init__(self, inner, raise_on_call=None):
+        self.inner, self.calls, self.raise_on_call = inner, 0, raise_on_call
+
+    def generate(self, prompts, allow_failures=False):
+        self.calls += 1
+        if self.calls == self.raise_on_call:
+            raise ConnectionError("server unavailable after retries")
+        out = self.inner.generate(prompts)
+        assert allow_failures, "the evaluator must ask for allow_failures"
+        out[0] = Generation(text="", token_ids=None, finish_reason=FINISH_ERROR)
+        return out
+
+
+def test_failed_requests_are_excluded_and_marked_incomplete(tmp_path, tiny_tokenizer):
+    cfg = eval_config(tmp_path / "flaky", "generator=random", "++evaluation.repeats=2")
+    random_gen = build_generator(cfg.generator, cfg.model_path, tiny_tokenizer)
+    result = evaluate(cfg, generator=FlakyGenerator(random_gen, raise_on_call=3))
+    # Repeat 0 finished (2 turns); its env 0 had failed requests; repeat 1 died on its first call.
+    assert not result["complete"] and "ConnectionError" in result["error"]
+    assert result["num_trajectories"] == 8 and result["num_failed_trajectories"] >= 1
+    on_disk = json.loads((tmp_path / "flaky" / "eval.json").read_text())
+    assert on_disk["complete"] is False and on_disk["metrics"]["SimpleSokoban"]["num_samples"] < 8
+    assert len((tmp_path / "flaky" / "trajectories.jsonl").read_text().splitlines()) == 8
+
+
+def test_bad_inputs_are_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match=r"evaluation.k=\[1, 16\] must lie in \[1, evaluation.n=8\]"):
+        prepare_eval_config(compose("_2_sokoban", ["model=tiny", "++evaluation.k=[1,16]"]), "_2_sokoban")
+    not_a_model = tmp_path / "run"
+    (not_a_model / "global_step_5" / "actor").mkdir(parents=True)
+    cfg = eval_config(tmp_path / "bad", f"model_path={not_a_model}")
+    with pytest.raises(FileNotFoundError, match="global_step_5/actor"):
+        evaluate(cfg)
+    result = subprocess.run(
+        [sys.executable, "-m", "SPA_agent.evaluate", "--config-name", "_2_sokoban", "model=tiny",
+         "++evaluation.n=2", "++evaluation.k=[4]"], capture_output=True, text=True)
+    assert result.returncode == 2 and "evaluation.k" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_model_names():
+    base = {"generator": {"name": "hf"}}
+    assert model_name({**base, "model_path": "Qwen/Qwen2.5-1.5B-Instruct"}) == "Qwen2.5-1.5B-Instruct"
+    assert model_name({**base, "model_path": "ckpt/sokoban-main/global_step_200/actor"}) == "sokoban-main-global_step_200"
+    assert model_name({"generator": {"name": "api", "model": "gpt-4o/mini"}, "model_path": "x"}) == "gpt-4o_mini"
+
+
+def write_ppo_run(run_dir):
+    run_dir.mkdir(parents=True)
+    records = [{"step": s, "val-env/SimpleSokoban/success": v, "val-env/SimpleSokoban/pass@8": min(1, 2 * v),
+                "actor/loss": 0.1} for s, v in [(0, 0.1), (10, 0.4), (20, 0.3)]]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_report_and_plots_on_two_run_dirs(tmp_path, capsys):
+    cfg = eval_config(tmp_path / "evals" / "sokoban-random", "generator=random")
+    evaluate(cfg)
+    write_ppo_run(tmp_path / "ppo")
+    report = build_report([tmp_path / "evals" / "sokoban-random", tmp_path / "ppo"])
+    assert "| sokoban-random | SimpleSokoban | eval: tiny |" in report
+    assert "| ppo | SimpleSokoban | PPO final (step 20) | 30.0 | 60.0 (pass@8)" in report
+    assert "| ppo | SimpleSokoban | PPO best (step 10) | 40.0 | 80.0 (pass@8)" in report
+    assert "reported, not measured here" in report and "| Qwen2.5-1.5B-Instruct | SPA | 59.8 | 69.5 |" in report
+    assert "FrozenLake P@1" not in report  # only the envs our runs cover
+    png = plot_training(tmp_path / "ppo")
+    assert png.read_bytes().startswith(PNG_MAGIC) and png.stat().st_size > 1000
+    assert report_main([str(tmp_path / "nothing-here")]) == 2
+    assert report_main([str(tmp_path / "ppo"), "--paper-model", "0.5B", "--out", str(tmp_path / "r.md")]) == 0
+    assert "Qwen2.5-0.5B-Instruct" in (tmp_path / "r.md").read_text()
