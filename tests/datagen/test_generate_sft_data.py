@@ -4,6 +4,8 @@ fresh env, trajectory-level split, schema, determinism, resume and the data card
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -168,3 +170,16 @@ def test_split_by_trajectory_and_original_row_split():
 def test_schema_matches_docs():
     assert SFT_SCHEMA.field("prompt").type.value_type == pa.struct([("content", pa.string()), ("role", pa.string())])
     assert SFT_SCHEMA.names[:6] == ["prompt", "response", "data_source", "ability", "reward_model", "extra_info"]
+
+
+@pytest.mark.slow
+def test_cli_default_output_dir_and_usage_error(tmp_path):
+    command = [sys.executable, "-m", "SPA_agent.generate_sft_data", "--config-name", "_3_frozen_lake", "model=tiny",
+               "generator=random", "data_gen.num_batches=1", f"output_root={tmp_path}"]
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    out = tmp_path / "sftdata" / "_3_frozen_lake-tiny-text_with_coordinates"
+    assert all((out / name).is_file() for name in (*DATA_FILES, CARD_FILE, "config.yaml", "data_card.md"))
+    assert OmegaConf.load(out / "config.yaml").ctx_manager.mode == "add_worldmodel"
+    result = subprocess.run([*command[:-2], "data_gen.num_batches=0"], capture_output=True, text=True)
+    assert result.returncode == 2 and "num_batches" in result.stderr and "Traceback" not in result.stderr
