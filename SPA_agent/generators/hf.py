@@ -94,7 +94,7 @@ class HFGenerator:
         self.stop_ids = end_of_turn_ids(model, tokenizer)
         self.pad_id = pad_token_id(tokenizer, self.stop_ids)
         on_gpu = next(model.parameters()).device.type == "cuda"
-        self.decoder = "generate" if decoder == "auto" else decoder
+        self.decoder = ("static" if on_gpu else "generate") if decoder == "auto" else decoder
         self.cuda_graphs = cuda_graphs and on_gpu
         self._static = None
         self._calls = 0
@@ -125,6 +125,8 @@ class HFGenerator:
                 sampled = self._generate_chunk([prompts[i].prompt_ids for i in chunk], generator)
                 for index, ids in zip(chunk, sampled):
                     results[index] = self._to_generation(ids)
+        if self._static is not None:
+            self._static.release()  # give the KV buffers back (the PPO actor trains on the same device)
         return results
 
     def _generate_chunk(self, batch: list[list[int]], generator: torch.Generator) -> list[list[int]]:
