@@ -126,3 +126,59 @@ def test_report_and_plots_on_two_run_dirs(tmp_path, capsys):
     assert report_main([str(tmp_path / "nothing-here")]) == 2
     assert report_main([str(tmp_path / "ppo"), "--paper-model", "0.5B", "--out", str(tmp_path / "r.md")]) == 0
     assert "Qwen2.5-0.5B-Instruct" in (tmp_path / "r.md").read_text()
+
+
+class ChatServer:
+    """A local OpenAI-compatible endpoint: answers every chat completion with a fixed action, except that
+    requests number `fail_from` onwards get HTTP 500 (an outage starting mid-run)."""
+
+    def __init__(self, fail_from: int):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        state = {"count": 0, "lock": threading.Lock()}
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802
+                self.rfile.read(int(self.headers["Content-Length"]))
+                with state["lock"]:
+                    state["count"] += 1
+                    failing = state["count"] >= fail_from
+                body = {"id": "x", "object": "chat.completion", "created": 0, "model": "m",
+                        "choices": [{"index": 0, "finish_reason": "stop", "message": {
+                            "role": "assistant", "content": "<think>go</think><answer>Up</answer>"}}]}
+                data = json.dumps({"error": {"message": "overloaded"}} if failing else body).encode()
+                self.send_response(500 if failing else 200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_api_outage_mid_run_gives_partial_result(tmp_path):
+    server = ChatServer(fail_from=9)  # turn 1 (8 requests) succeeds, everything after fails
+    try:
+        cfg = eval_config(tmp_path / "api", "generator=api", f"generator.base_url={server.url}",
+                          "generator.api_key_env=null", "generator.max_retries=1", "++generator.backoff_s=0")
+        result = evaluate(cfg)
+    finally:
+        server.close()
+    assert result["complete"] is False and result["num_trajectories"] == 8
+    # Exactly the episodes that needed a second turn hit the outage (puzzle 124 is solved by "Up" in turn 1).
+    records = [json.loads(line) for line in (tmp_path / "api" / "trajectories.jsonl").read_text().splitlines()]
+    assert [r["failed_request"] for r in records] == [len(r["actions"]) == 2 for r in records]
+    assert result["num_failed_trajectories"] == 6 and result["metrics"]["SimpleSokoban"]["success"] == 1.0
+    assert json.loads((tmp_path / "api" / "eval.json").read_text())["complete"] is False
+    assert result["model_name"] == "gpt-4o-mini"
