@@ -1,0 +1,145 @@
+"""Our composed Hydra config → the config verl's Ray/FSDP workers and vLLM/SGLang rollout read.
+
+The base is verl's own flattened default (`verl/trainer/config/_generated_ppo_trainer.yaml`, what verl's Hydra
+composition of `ppo_trainer` gives), so every key verl's workers look up exists with verl's default. On top of
+it go our values: the `COPIED` table (same meaning, our path → verl's path) and the derived keys of
+`_derived`. verl's own checks (`verl.utils.config.validate_config`, which builds its typed ActorConfig,
+CriticConfig and checks batch divisibility) then run on the result.
+
+Shapes the workers see: the filtered batch of `int(rollout_filter_ratio × env_groups) × group_size`
+trajectories (verl's `data.train_batch_size`), split evenly over `n_gpus_per_node × nnodes` data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+#: extra to install for this backend
+INSTALL_HINT = "pip install 'spa-agent[gpu]'"
+#: rollout engines verl serves in its hybrid (colocated) mode
+ROLLOUT_ENGINES = ("vllm", "sglang")
+
+_ACTOR, _ROLLOUT, _CRITIC = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "critic"
+
+#: (our key, verl key): values copied unchanged
+COPIED: tuple[tuple[str, str], ...] = (
+    *((f"actor_rollout_ref.model.{k}",) * 2 for k in ("enable_gradient_checkpointing",)),
+    *((f"{_ACTOR}.{k}",) * 2 for k in (
+        "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "shuffle", "grad_clip", "clip_ratio",
+        "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode", "policy_loss.loss_mode",
+        "entropy_coeff", "use_kl_loss", "kl_loss_coef", "kl_loss_type",
+        "optim.lr", "optim.lr_warmup_steps_ratio", "optim.weight_decay", "optim.betas")),
+    (f"{_ACTOR}.grad_clip", f"{_ACTOR}.optim.clip_grad"),
+    ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",) * 2,
+    ("actor_rollout_ref.ref.offload_to_cpu", "actor_rollout_ref.ref.fsdp_config.param_offload"),
+    *((f"{_ROLLOUT}.{k}",) * 2 for k in (
+        "temperature", "top_k", "top_p", "dtype", "gpu_memory_utilization", "tensor_model_parallel_size",
+        "max_model_len", "max_num_batched_tokens", "max_num_seqs", "log_prob_micro_batch_size_per_gpu",
+        "response_length", "val_kwargs.top_k", "val_kwargs.top_p", "val_kwargs.temperature", "val_kwargs.do_sample")),
+    *((f"{_CRITIC}.{k}",) * 2 for k in (
+        "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "shuffle", "grad_clip",
+        "cliprange_value", "loss_agg_mode", "model.enable_gradient_checkpointing",
+        "optim.lr", "optim.lr_warmup_steps_ratio", "optim.weight_decay", "optim.betas")),
+    (f"{_CRITIC}.grad_clip", f"{_CRITIC}.optim.clip_grad"),
+    *((f"algorithm.{k}",) * 2 for k in (
+        "gamma", "lam", "adv_estimator", "use_kl_in_reward", "kl_penalty", "kl_ctrl.type", "kl_ctrl.kl_coef")),
+    *((f"trainer.{k}",) * 2 for k in (
+        "n_gpus_per_node", "nnodes", "project_name", "experiment_name", "total_training_steps", "critic_warmup",
+        "default_local_dir", "max_actor_ckpt_to_keep", "max_critic_ckpt_to_keep")),
+    *((f"verl_backend.{k}", f"{_ROLLOUT}.{k}") for k in ("enforce_eager", "free_cache_engine", "load_format")),
+    ("verl_backend.rollout_name", f"{_ROLLOUT}.name"),
+)
+
+#: verl checkpoint contents: sharded model + optimizer + RNG, plus a Hugging Face export (`<role>/huggingface`)
+CHECKPOINT_CONTENTS = ["model", "optimizer", "extra", "hf_model"]
+
+
+def verl_defaults() -> DictConfig:
+    """verl's full default PPO config (the flattened `ppo_trainer` composition shipped with verl); a fresh copy."""
+    return copy.deepcopy(_load_verl_defaults())
+
+
+@functools.lru_cache(maxsize=1)
+def _load_verl_defaults() -> DictConfig:
+    import verl
+
+    return OmegaConf.load(Path(verl.__file__).parent / "trainer" / "config" / "_generated_ppo_trainer.yaml")
+
+
+def filtered_batch_size(cfg: DictConfig) -> int:
+    """Trajectories per PPO step after the StarPO-S filter (what the workers train on)."""
+    rollout, train = cfg.actor_rollout_ref.rollout, cfg.es_manager.train
+    ratio = rollout.rollout_filter_ratio
+    groups = train.env_groups if ratio >= 1 else int(ratio * train.env_groups)
+    return groups * train.group_size
+
+
+def _derived(cfg: DictConfig) -> dict[str, object]:
+    """verl keys computed from ours (verl path → value)."""
+    from SPA_agent.tiny import resolve_model_path
+
+    actor_path = resolve_model_path(cfg.actor_rollout_ref.model.path)
+    critic_path = resolve_model_path(cfg.critic.model.path)
+    context = cfg.actor_rollout_ref.rollout.max_model_len
+    steps = cfg.trainer.total_training_steps
+    return {
+        "actor_rollout_ref.model.path": actor_path,
+        f"{_CRITIC}.model.path": critic_path,
+        f"{_CRITIC}.model.tokenizer_path": actor_path,
+        f"{_CRITIC}.enable": True,
+        f"{_ACTOR}.optim.total_training_steps": steps,
+        f"{_CRITIC}.optim.total_training_steps": steps,
+        f"{_ACTOR}.checkpoint.save_contents": CHECKPOINT_CONTENTS,
+        f"{_CRITIC}.checkpoint.save_contents": CHECKPOINT_CONTENTS,
+        # a multi-turn prompt may fill the whole context; each turn adds at most response_length tokens
+        f"{_ROLLOUT}.prompt_length": context,
+        "data.max_prompt_length": context,
+        "data.max_response_length": cfg.actor_rollout_ref.rollout.response_length,
+        "data.train_batch_size": filtered_batch_size(cfg),
+        # the driver recomputes old log-probs with the actor; the engine need not return its own
+        f"{_ROLLOUT}.calculate_log_probs": False,
+        f"{_ROLLOUT}.n": 1,
+        "trainer.device": "cuda",
+        "trainer.logger": ["console"],
+    }
+
+
+def build_verl_config(cfg: DictConfig) -> DictConfig:
+    """The full verl config for `cfg` (resolved, so it can travel to Ray workers as is)."""
+    verl_cfg = verl_defaults()
+    for ours, theirs in COPIED:
+        value = OmegaConf.select(cfg, ours, throw_on_missing=True)
+        OmegaConf.update(verl_cfg, theirs, value, merge=False, force_add=True)
+    for theirs, value in _derived(cfg).items():
+        OmegaConf.update(verl_cfg, theirs, value, merge=False, force_add=True)
+    OmegaConf.resolve(verl_cfg)
+    return verl_cfg
+
+
+def check_verl_config(cfg: DictConfig, verl_cfg: DictConfig) -> None:
+    """Our checks with messages naming our keys, then verl's own `validate_config`; ValueError on failure."""
+    backend = cfg.verl_backend
+    if backend.rollout_name not in ROLLOUT_ENGINES:
+        raise ValueError(f"verl_backend.rollout_name must be one of {list(ROLLOUT_ENGINES)}, got "
+                         f"{backend.rollout_name!r}")
+    world = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+    tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+    if world % tp:
+        raise ValueError(f"actor_rollout_ref.rollout.tensor_model_parallel_size ({tp}) must divide the number of "
+                         f"GPUs, trainer.n_gpus_per_node × trainer.nnodes ({world})")
+    batch = filtered_batch_size(cfg)
+    for name in (_ACTOR, _CRITIC):
+        mini = OmegaConf.select(cfg, f"{name}.ppo_mini_batch_size")
+        if mini % world or batch % mini:
+            raise ValueError(f"{name}.ppo_mini_batch_size ({mini}) must be a multiple of the {world} GPUs and "
+                             f"divide the filtered batch ({batch} trajectories per step)")
+    from verl.utils.config import validate_config
+
+    try:
+        validate_config(verl_cfg, use_reference_policy=bool(cfg.actor_rollout_ref.actor.use_ref), use_critic=True)
+    except AssertionError as err:
+        raise ValueError(f"verl rejected the translated config: {err}") from err

@@ -1,0 +1,83 @@
+"""Our Hydra config → verl's worker config: values land where verl's typed configs read them."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+from verl.utils.config import omega_conf_to_dataclass
+
+from SPA_agent.tiny import resolve_model_path
+from SPA_agent.trainer import verl_config as vc
+
+OVERRIDES = (
+    "trainer.backend=verl", "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+    "actor_rollout_ref.rollout.gpu_memory_utilization=0.35", "actor_rollout_ref.actor.optim.lr=3e-6",
+    "critic.optim.lr=2e-5", "actor_rollout_ref.actor.grad_clip=0.7", "verl_backend.rollout_name=sglang",
+)
+
+
+@pytest.fixture(scope="module")
+def configs():
+    from SPA_agent.config import compose
+
+    cfg = compose("_2_sokoban", ["model=tiny", *OVERRIDES])
+    return cfg, vc.build_verl_config(cfg)
+
+
+def test_every_copied_key_lands_at_its_verl_path(configs):
+    cfg, verl_cfg = configs
+    for ours, theirs in vc.COPIED:
+        assert OmegaConf.select(verl_cfg, theirs) == OmegaConf.select(cfg, ours), (ours, theirs)
+
+
+def test_typed_actor_config_reads_our_values(configs):
+    cfg, verl_cfg = configs
+    actor = omega_conf_to_dataclass(verl_cfg.actor_rollout_ref.actor)
+    ours = cfg.actor_rollout_ref.actor
+    assert type(actor).__name__ == "FSDPActorConfig"
+    assert (actor.clip_ratio_low, actor.clip_ratio_high, actor.clip_ratio_c) == (0.2, 0.28, 3.0)
+    assert actor.loss_agg_mode == ours.loss_agg_mode and actor.entropy_coeff == ours.entropy_coeff
+    assert actor.ppo_mini_batch_size == ours.ppo_mini_batch_size == 4
+    assert actor.optim.lr == 3e-6 and actor.optim.clip_grad == 0.7 and list(actor.optim.betas) == [0.9, 0.999]
+    assert actor.optim.total_training_steps == cfg.trainer.total_training_steps
+    assert "hf_model" in actor.checkpoint.save_contents
+
+
+def test_typed_critic_and_rollout_configs_read_our_values(configs):
+    cfg, verl_cfg = configs
+    critic = omega_conf_to_dataclass(verl_cfg.critic)
+    assert critic.optim.lr == 2e-5 and critic.cliprange_value == cfg.critic.cliprange_value
+    assert critic.ppo_micro_batch_size_per_gpu == cfg.critic.ppo_micro_batch_size_per_gpu
+    rollout = omega_conf_to_dataclass(verl_cfg.actor_rollout_ref.rollout)
+    assert rollout.name == "sglang" and rollout.tensor_model_parallel_size == 2
+    assert rollout.gpu_memory_utilization == 0.35 and rollout.response_length == 48
+    assert rollout.max_model_len == rollout.prompt_length == cfg.actor_rollout_ref.rollout.max_model_len
+    assert not rollout.calculate_log_probs and rollout.n == 1
+
+
+def test_model_paths_resolve_and_verl_loads_the_model_config(configs):
+    cfg, verl_cfg = configs
+    path = resolve_model_path("tiny")
+    assert verl_cfg.actor_rollout_ref.model.path == verl_cfg.critic.model.path == path
+    model = omega_conf_to_dataclass(verl_cfg.actor_rollout_ref.model)  # what each worker does in init_model
+    assert model.hf_config.model_type == "qwen2" and model.tokenizer.eos_token == "<|im_end|>"
+
+
+def test_workers_see_the_filtered_batch(configs):
+    cfg, verl_cfg = configs
+    # model=tiny: 4 groups × 2, filter ratio 0.5 -> 2 groups -> 4 trajectories
+    assert verl_cfg.data.train_batch_size == vc.filtered_batch_size(cfg) == 4
+    vc.check_verl_config(cfg, verl_cfg)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("actor_rollout_ref.rollout.tensor_model_parallel_size=3", "tensor_model_parallel_size"),
+    ("trainer.n_gpus_per_node=8", "multiple of the 8 GPUs"),
+    ("verl_backend.rollout_name=hf", "rollout_name"),
+])
+def test_bad_settings_name_the_key(override, message):
+    from SPA_agent.config import compose
+
+    cfg = compose("_2_sokoban", ["model=tiny", *OVERRIDES, override])
+    with pytest.raises(ValueError, match=message):
+        vc.check_verl_config(cfg, vc.build_verl_config(cfg))
