@@ -4,8 +4,9 @@ states before ground-truth substitution (the paper's "self-belief" signal, Table
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from omegaconf import DictConfig
 
@@ -32,11 +33,11 @@ class BatchStats:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: Mapping) -> "BatchStats":
+    def from_dict(cls, data: Mapping) -> BatchStats:
         return cls(**data)
 
     @classmethod
-    def merge(cls, parts: Iterable["BatchStats"]) -> "BatchStats":
+    def merge(cls, parts: Iterable[BatchStats]) -> BatchStats:
         total = cls()
         for part in parts:
             for name in ("trajectories", "successes", "turns", "turns_worldmodel_format", "turns_with_states",
@@ -127,7 +128,7 @@ def render_data_card(card: Mapping[str, Any]) -> str:
         elif isinstance(value, list):
             value = ", ".join(map(str, value))
         lines.append(f"| {key} | {_fmt(value)} |")
-    lines += ["", "`self_belief_accuracy`: the model's own <observation>/<prediction> contents against the true "
-              "states, before substitution (exact match, per-cell, coordinate sentence), over turns that had the "
-              "block."]
+    lines += ["", ("`self_belief_accuracy`: the model's own <observation>/<prediction> contents against the true "
+                   "states, before substitution (exact match, per-cell, coordinate sentence), over turns that had the "
+                   "block.")]
     return "\n".join(lines) + "\n"

@@ -15,8 +15,8 @@ import inspect
 import re
 import sys
 from collections import defaultdict
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict

@@ -16,8 +16,9 @@ import hashlib
 import math
 import shutil
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import hydra
 import numpy as np

@@ -10,8 +10,8 @@ Notation: a puzzle was attempted n times and solved c times.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from math import comb
-from typing import Sequence
 
 import numpy as np
 

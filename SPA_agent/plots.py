@@ -11,15 +11,15 @@ import json
 import re
 import sys
 from collections import defaultdict
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from SPA_agent import atomic_io  # noqa: E402
+from SPA_agent import atomic_io
 
 VAL_KEY = re.compile(r"^val-env/(?P<tag>[^/]+)/(?P<name>success|pass@\d+)$")
 

@@ -13,8 +13,8 @@ import argparse
 import json
 import re
 import sys
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Iterable, Mapping
 
 from SPA_agent import atomic_io
 from SPA_agent.paper_results import ENVS, MAIN_RESULTS, MODEL_SIZE_TO_PAPER, SOURCE, TAG_TO_ENV
@@ -105,8 +105,8 @@ def build_report(runs: list[Path], paper_models: list[str] | None = None) -> str
     models = paper_models or ["Qwen2.5-1.5B-Instruct"]
     return "\n".join([
         "## Our results (measured)", "",
-        "Pass@1 = mean success; any-of-n = the original `pass@<G>` metric (any of the n samples solved the puzzle); "
-        "unbiased pass@k = 1 − C(n−c,k)/C(n,k) averaged over puzzles, with a bootstrap 95% interval.", "",
+        ("Pass@1 = mean success; any-of-n = the original `pass@<G>` metric (any of the n samples solved the "
+         "puzzle); unbiased pass@k = 1 − C(n−c,k)/C(n,k) averaged over puzzles, with a bootstrap 95% interval."), "",
         HEADER, *rows, "", paper_table(models, run_envs(runs)), "",
     ])
 

@@ -14,8 +14,8 @@ and about the state after its actions inside `<prediction>…</prediction>` (spe
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
 
 OBSERVATION_RE = re.compile(r"<observation>(.*?)</observation>", re.DOTALL)
 PREDICTION_RE = re.compile(r"<prediction>(.*?)</prediction>", re.DOTALL)

@@ -76,7 +76,8 @@ def test_no_dedup_and_length_bounds():
 
 
 def test_cli_help_and_bad_input(tmp_path, capsys):
-    result = subprocess.run([sys.executable, "sft/filter_sft_by_tag.py", "--help"], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "sft/filter_sft_by_tag.py", "--help"],
+                            capture_output=True, text=True, check=False)
     assert result.returncode == 0 and "--no-dedup" in result.stdout
     assert main(["--input", str(tmp_path / "nope"), "--output", str(tmp_path / "out")]) == 2
     assert "wm_train" in capsys.readouterr().err

@@ -176,10 +176,11 @@ def test_schema_matches_docs():
 def test_cli_default_output_dir_and_usage_error(tmp_path):
     command = [sys.executable, "-m", "SPA_agent.generate_sft_data", "--config-name", "_3_frozen_lake", "model=tiny",
                "generator=random", "data_gen.num_batches=1", f"output_root={tmp_path}"]
-    result = subprocess.run(command, capture_output=True, text=True)
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
     out = tmp_path / "sftdata" / "_3_frozen_lake-tiny-text_with_coordinates"
     assert all((out / name).is_file() for name in (*DATA_FILES, CARD_FILE, "config.yaml", "data_card.md"))
     assert OmegaConf.load(out / "config.yaml").ctx_manager.mode == "add_worldmodel"
-    result = subprocess.run([*command[:-2], "data_gen.num_batches=0"], capture_output=True, text=True)
+    result = subprocess.run([*command[:-2], "data_gen.num_batches=0"], capture_output=True, text=True,
+                            check=False)
     assert result.returncode == 2 and "num_batches" in result.stderr and "Traceback" not in result.stderr

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-from omegaconf import OmegaConf
 
 from SPA_agent.config import compose
 from SPA_agent.evaluate import evaluate, model_name, prepare_eval_config
@@ -93,7 +92,7 @@ def test_bad_inputs_are_clear_errors(tmp_path):
         evaluate(cfg)
     result = subprocess.run(
         [sys.executable, "-m", "SPA_agent.evaluate", "--config-name", "_2_sokoban", "model=tiny",
-         "++evaluation.n=2", "++evaluation.k=[4]"], capture_output=True, text=True)
+         "evaluation.n=2", "evaluation.k=[4]"], capture_output=True, text=True, check=False)
     assert result.returncode == 2 and "evaluation.k" in result.stderr and "Traceback" not in result.stderr
 
 
@@ -139,7 +138,7 @@ class ChatServer:
         state = {"count": 0, "lock": threading.Lock()}
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802
+            def do_POST(self):
                 self.rfile.read(int(self.headers["Content-Length"]))
                 with state["lock"]:
                     state["count"] += 1

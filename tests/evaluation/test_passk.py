@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from itertools import combinations
+from itertools import combinations, pairwise
 
 import numpy as np
 import pytest
@@ -32,7 +32,7 @@ def test_pass_at_1_is_success_rate_and_grows_with_k(nc):
     n, c = nc
     assert pass_at_k(n, c, 1) == pytest.approx(c / n)
     values = [pass_at_k(n, c, k) for k in range(1, n + 1)]
-    assert all(a <= b + 1e-12 for a, b in zip(values, values[1:]))
+    assert all(a <= b + 1e-12 for a, b in pairwise(values))
     assert values[-1] == pass_any(n, c)
 
 
