@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -33,6 +34,13 @@ def prepare_config(cfg: DictConfig, block: str, config_name: str | None = None) 
         merged.config_name = name
     OmegaConf.set_struct(merged, True)
     return merged
+
+
+def apply_system_env(cfg: DictConfig) -> None:
+    """Copy `system.CUDA_VISIBLE_DEVICES` into the environment when set and the variable is not (spec §8)."""
+    devices = (cfg.get("system") or {}).get("CUDA_VISIBLE_DEVICES")
+    if devices is not None and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(devices)
 
 
 def resolve_checkpoint(model_path: str) -> str:

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from SPA_agent import atomic_io
 from SPA_agent.datagen_card import BatchStats, render_data_card, trajectory_stats
-from SPA_agent.entry import EXIT_USAGE, load_tokenizer, prepare_config
+from SPA_agent.entry import EXIT_USAGE, apply_system_env, load_tokenizer, prepare_config
 from SPA_agent.worldmodel import substitute_states
 
 DATA_FILES = ("wm_train.parquet", "wm_val.parquet")
@@ -229,6 +229,7 @@ def prepare_data_gen_config(cfg: DictConfig, config_name: str | None = None) -> 
 def main(cfg: DictConfig) -> None:
     try:
         cfg = prepare_data_gen_config(cfg)
+        apply_system_env(cfg)
         card = generate(cfg)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
