@@ -21,6 +21,7 @@ through transformers' attention interface (Llama, Qwen2, Mistral, ...); not slid
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Iterator
 
 import torch
@@ -143,6 +144,7 @@ class _DecodeState:
         self.attend = torch.zeros((batch, max_len), dtype=torch.bool, device=device)
         self.cache = StaticKVCache(max_len, self.write_index)
         self.graph, self.logits = None, None
+        self.capture_s = 0.0
         self._use_cuda_graph = use_cuda_graph
 
     def forward_step(self) -> torch.Tensor:
@@ -163,6 +165,7 @@ class _DecodeState:
 
     def _capture(self) -> None:
         """Warm up on a side stream, then record one step (buffers are reset by the next prefill)."""
+        start = time.perf_counter()
         self.write_index.fill_(self.shape[1] - 1)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -173,6 +176,8 @@ class _DecodeState:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.logits = self.forward_step()
+        torch.cuda.synchronize()
+        self.capture_s = time.perf_counter() - start
 
 
 class StaticDecoder:
@@ -187,6 +192,7 @@ class StaticDecoder:
         self.stop_ids = torch.tensor(stop_ids, device=self.device)
         self.use_cuda_graphs = use_cuda_graphs and self.device.type == "cuda"
         self._state: _DecodeState | None = None
+        self.last_capture_s = 0.0  # seconds the last call spent capturing CUDA graphs
 
     def release(self) -> None:
         """Free the KV buffers and the CUDA graph (they are rebuilt on the next call)."""
@@ -199,9 +205,12 @@ class StaticDecoder:
         input_ids, attention_mask = self._bucket(input_ids, attention_mask)
         batch, width = input_ids.shape
         state = self._state_for(batch, width + params.max_new_tokens)
+        captured_before = state.capture_s
         with grouped_attention(self.model):
             logits = self._prefill(state, input_ids, attention_mask)
-            return self._decode(state, logits, attention_mask.sum(dim=1), width, params, generator)
+            tokens = self._decode(state, logits, attention_mask.sum(dim=1), width, params, generator)
+        self.last_capture_s = state.capture_s - captured_before
+        return tokens
 
     def _bucket(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
         """Extra left padding up to a multiple of PROMPT_BUCKET (masked, so results are unchanged)."""
