@@ -1,0 +1,95 @@
+"""Checks of a composed PPO config before any model is loaded (spec §10.1), each with a message saying what to set."""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+from verl.trainer.ppo import core_algos
+
+from SPA_agent.trainer.algos import ROLLOUT_FILTERS
+from SPA_agent.trainer.backend import BACKENDS
+
+ADV_ESTIMATORS = ("gae",)
+RESUME_MODES = ("auto", "disable")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Raise ValueError naming the offending keys if the config cannot train."""
+    _check_backend(cfg)
+    _check_batch_sizes(cfg)
+    _check_algorithm(cfg)
+    _check_trainer(cfg)
+
+
+def _check_backend(cfg: DictConfig) -> None:
+    backend = cfg.trainer.backend
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown trainer.backend {backend!r}; choose one of {sorted(BACKENDS)}")
+    if backend == "local" and cfg.trainer.n_gpus_per_node != 1:
+        raise ValueError(
+            f"trainer.backend=local runs on one device but trainer.n_gpus_per_node={cfg.trainer.n_gpus_per_node}; "
+            "set trainer.n_gpus_per_node=1"
+        )
+
+
+def _check_batch_sizes(cfg: DictConfig) -> None:
+    n_gpus = cfg.trainer.n_gpus_per_node
+    rollout, train = cfg.actor_rollout_ref.rollout, cfg.es_manager.train
+    ratio = rollout.rollout_filter_ratio
+    if not 0 < ratio <= 1:
+        raise ValueError(f"actor_rollout_ref.rollout.rollout_filter_ratio must be in (0, 1], got {ratio}")
+    kept_groups = train.env_groups if ratio >= 1 else int(ratio * train.env_groups)
+    if kept_groups < 1:
+        raise ValueError(
+            f"rollout_filter_ratio={ratio} keeps no group out of es_manager.train.env_groups={train.env_groups}"
+        )
+    kept = kept_groups * train.group_size
+    for name, role in (("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor), ("critic", cfg.critic)):
+        mini, micro = role.ppo_mini_batch_size, role.ppo_micro_batch_size_per_gpu
+        if micro * n_gpus > mini or mini % (micro * n_gpus):
+            raise ValueError(
+                f"{name}.ppo_micro_batch_size_per_gpu ({micro}) × n_gpus ({n_gpus}) must be ≤ and divide "
+                f"{name}.ppo_mini_batch_size ({mini}); lower micro_batch_size_per_gpu or change ppo_mini_batch_size"
+            )
+        if kept < mini:
+            raise ValueError(
+                f"the filtered batch has {kept} trajectories (int(rollout_filter_ratio {ratio} × env_groups "
+                f"{train.env_groups}) × group_size {train.group_size}), fewer than {name}.ppo_mini_batch_size "
+                f"({mini}); lower ppo_mini_batch_size or raise env_groups / rollout_filter_ratio"
+            )
+
+
+def _check_algorithm(cfg: DictConfig) -> None:
+    algo, actor = cfg.algorithm, cfg.actor_rollout_ref.actor
+    filter_type = cfg.actor_rollout_ref.rollout.rollout_filter_type
+    if filter_type not in ROLLOUT_FILTERS:
+        raise ValueError(f"unknown rollout_filter_type {filter_type!r}; choose one of {sorted(ROLLOUT_FILTERS)}")
+    if algo.adv_estimator not in ADV_ESTIMATORS:
+        raise ValueError(f"algorithm.adv_estimator={algo.adv_estimator!r} is not supported; choose one of "
+                         f"{list(ADV_ESTIMATORS)}")
+    if algo.bi_level_gae and (algo.adv_estimator != "gae" or cfg.agent_proxy.use_turn_scores):
+        raise ValueError("algorithm.bi_level_gae=True needs algorithm.adv_estimator=gae and "
+                         "agent_proxy.use_turn_scores=False")
+    if (actor.use_kl_loss or algo.use_kl_in_reward) and not actor.use_ref:
+        raise ValueError("a KL loss or KL-in-reward needs the reference model: set actor_rollout_ref.actor.use_ref=True")
+    if actor.use_kl_loss and algo.use_kl_in_reward:
+        raise ValueError("choose one KL: actor_rollout_ref.actor.use_kl_loss or algorithm.use_kl_in_reward")
+    for name, mode in (("actor_rollout_ref.actor", actor.loss_agg_mode), ("critic", cfg.critic.loss_agg_mode)):
+        if mode not in LOSS_AGG_MODES:
+            raise ValueError(f"unknown {name}.loss_agg_mode {mode!r}; choose one of {list(LOSS_AGG_MODES)}")
+    loss_mode = actor.policy_loss.loss_mode
+    if loss_mode not in core_algos.POLICY_LOSS_REGISTRY:
+        raise ValueError(f"unknown actor_rollout_ref.actor.policy_loss.loss_mode {loss_mode!r}; choose one of "
+                         f"{sorted(core_algos.POLICY_LOSS_REGISTRY)}")
+    if actor.clip_ratio_c <= 1:
+        raise ValueError(f"actor_rollout_ref.actor.clip_ratio_c must be > 1 (dual clip), got {actor.clip_ratio_c}")
+
+
+def _check_trainer(cfg: DictConfig) -> None:
+    trainer = cfg.trainer
+    if not isinstance(trainer.total_training_steps, int) or trainer.total_training_steps < 1:
+        raise ValueError(f"trainer.total_training_steps must be a positive integer, got {trainer.total_training_steps}")
+    if trainer.resume_mode not in RESUME_MODES:
+        raise ValueError(f"unknown trainer.resume_mode {trainer.resume_mode!r}; choose one of {list(RESUME_MODES)}")
+    if trainer.test_freq > 0 and trainer.validation_steps < 1:
+        raise ValueError("trainer.validation_steps must be >= 1 when trainer.test_freq > 0")

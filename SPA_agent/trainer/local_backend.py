@@ -1,0 +1,261 @@
+"""`local` backend: actor, critic and reference policy in one process on one device (CPU or one GPU).
+
+Log-probs and values are computed in micro-batches over all T-1 positions; updates follow spec §10.3 steps 7–8
+with the losses of `verl.trainer.ppo.core_algos`. Gradients accumulate over the micro-batches of a mini-batch
+with the loss normalised by the mini-batch's token (or trajectory) count, so the update does not depend on
+the micro-batch size. Generation goes through the generator interface using the actor's current weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from verl import DataProto
+from verl.trainer.ppo import core_algos
+from verl.utils import torch_functional as verl_F
+from verl.workers.config import ActorConfig
+
+from SPA_agent.tiny import resolve_model_path
+from SPA_agent.trainer import local_models as lm
+
+OPTIMIZER_FILE = "optimizer.pt"
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` → cuda when available, else cpu."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"trainer.device={name} but no CUDA device is visible; use trainer.device=cpu")
+    return torch.device(name)
+
+
+@dataclass
+class Trainable:
+    """A model with its AdamW optimizer, constant-with-warmup LR schedule and gradient clipping."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    grad_clip: float
+
+    @classmethod
+    def build(cls, model: nn.Module, optim: DictConfig, grad_clip: float, total_steps: int) -> "Trainable":
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay
+        )
+        warmup = optim.get("lr_warmup_steps") or -1
+        if warmup < 0:
+            warmup = int(optim.get("lr_warmup_steps_ratio", 0.0) * total_steps)
+        scheduler = verl_F.get_constant_schedule_with_warmup(optimizer, num_warmup_steps=warmup)
+        return cls(model, optimizer, scheduler, grad_clip)
+
+    def clip_and_step(self) -> float:
+        """Clip gradients, step the optimizer unless the norm is not finite, clear gradients; the norm."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm.item()
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+def _loss_normalisers(mask: torch.Tensor) -> dict:
+    """`agg_loss` arguments that make micro-batch losses add up to the mini-batch's aggregate."""
+    return {"dp_size": 1, "batch_num_tokens": mask.sum().item(), "global_batch_size": (mask.sum(-1) > 0).sum().item()}
+
+
+def _mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
+    return {key: sum(row[key] for row in rows) / len(rows) for key in rows[0]} if rows else {}
+
+
+class LocalBackend:
+    """The worker group of `trainer.backend=local` (see backend.WorkerGroup for the contract)."""
+
+    def __init__(self, cfg: DictConfig, tokenizer):
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.device = resolve_device(cfg.trainer.device)
+        arr, critic_cfg = cfg.actor_rollout_ref, cfg.critic
+        self.model_path = resolve_model_path(arr.model.path)
+        total_steps = cfg.trainer.total_training_steps
+        actor = lm.load_actor(self.model_path, self.device, arr.model.enable_gradient_checkpointing)
+        self.actor = Trainable.build(actor, arr.actor.optim, arr.actor.grad_clip, total_steps)
+        critic_path = resolve_model_path(critic_cfg.model.path)
+        with torch.random.fork_rng(devices=[]):  # the value head's init depends on trainer.seed only
+            torch.manual_seed(cfg.trainer.seed)
+            critic = lm.load_critic(critic_path, self.device, critic_cfg.model.enable_gradient_checkpointing)
+        self.critic = Trainable.build(critic, critic_cfg.optim, critic_cfg.grad_clip, total_steps)
+        self.has_ref = bool(arr.actor.use_ref)
+        ref_device = torch.device("cpu") if arr.ref.offload_to_cpu else self.device
+        self.ref = lm.load_reference(self.model_path, ref_device) if self.has_ref else None
+        self.temperature = float(arr.rollout.temperature)
+        self.policy_loss_fn = core_algos.get_policy_loss_fn(arr.actor.policy_loss.loss_mode)
+        self.policy_loss_cfg = ActorConfig(
+            strategy="local", rollout_n=1, ppo_micro_batch_size_per_gpu=arr.actor.ppo_micro_batch_size_per_gpu,
+            clip_ratio=arr.actor.clip_ratio, clip_ratio_low=arr.actor.clip_ratio_low,
+            clip_ratio_high=arr.actor.clip_ratio_high, clip_ratio_c=arr.actor.clip_ratio_c,
+            loss_agg_mode=arr.actor.loss_agg_mode,
+        )
+        self._generator = None
+
+    # ---------------------------------------------------------------- generation
+
+    @property
+    def generator(self):
+        """The configured generator (`generator` config group) over the actor's live weights; built on first use."""
+        if self._generator is None:
+            from SPA_agent.generators import build_generator
+
+            self._generator = build_generator(
+                self.cfg.generator, self.model_path, self.tokenizer, model=self.actor.model
+            )
+        return self._generator
+
+    def generate(self, prompts: list) -> list:
+        self.actor.model.eval()
+        with torch.no_grad(), lm.autocast(self.device):
+            return self.generator.generate(prompts)
+
+    def _refresh_generator_weights(self) -> None:
+        """Engines holding their own copy of the weights (vLLM) get the updated actor weights."""
+        update = getattr(self._generator, "update_weights", None)
+        if update is not None:
+            update(self.actor.model)
+
+    # ---------------------------------------------------------------- inference passes
+
+    @torch.no_grad()
+    def _log_probs(self, model: nn.Module, batch: DataProto, micro: int, with_entropy: bool):
+        model.eval()
+        device = next(model.parameters()).device
+        log_probs, entropies = [], []
+        for mb in lm.micro_batches(batch, micro, lm.MODEL_INPUT_KEYS, device):
+            with lm.autocast(device):
+                lp, ent = lm.token_log_probs(model, mb, self.temperature, with_entropy)
+            log_probs.append(lp.cpu())
+            entropies.append(ent.cpu() if ent is not None else None)
+        return torch.cat(log_probs), (torch.cat(entropies) if with_entropy else None)
+
+    def compute_log_prob(self, batch: DataProto) -> DataProto:
+        micro = self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
+        log_probs, entropy = self._log_probs(self.actor.model, batch, micro, with_entropy=True)
+        return DataProto.from_dict(tensors={"old_log_probs": log_probs, "entropys": entropy})
+
+    def compute_ref_log_prob(self, batch: DataProto) -> DataProto:
+        if self.ref is None:
+            raise ValueError("no reference model: set actor_rollout_ref.actor.use_ref=True")
+        micro = self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
+        log_probs, _ = self._log_probs(self.ref, batch, micro, with_entropy=False)
+        return DataProto.from_dict(tensors={"ref_log_prob": log_probs})
+
+    @torch.no_grad()
+    def compute_values(self, batch: DataProto) -> DataProto:
+        model = self.critic.model.eval()
+        keys = (*lm.MODEL_INPUT_KEYS, "response_mask")
+        values = []
+        for mb in lm.micro_batches(batch, self.cfg.critic.ppo_micro_batch_size_per_gpu, keys, self.device):
+            with lm.autocast(self.device):
+                values.append((lm.token_values(model, mb) * mb["response_mask"]).cpu())
+        return DataProto.from_dict(tensors={"values": torch.cat(values)})
+
+    # ---------------------------------------------------------------- updates
+
+    def _mini_batches(self, batch: DataProto, role_cfg: DictConfig):
+        for _ in range(role_cfg.ppo_epochs):
+            for start in range(0, len(batch), role_cfg.ppo_mini_batch_size):
+                yield batch[start : start + role_cfg.ppo_mini_batch_size]
+
+    def update_critic(self, batch: DataProto) -> dict[str, float]:
+        """Clipped value loss (core_algos.compute_value_loss) over `response_mask`, AdamW, grad clip."""
+        cfg, model = self.cfg.critic, self.critic.model.train()
+        keys = (*lm.MODEL_INPUT_KEYS, "values", "returns", "response_mask")
+        steps, micro_rows = [], []
+        for mini in self._mini_batches(batch, cfg):
+            norm = _loss_normalisers(mini.batch["response_mask"])
+            loss_sum = 0.0
+            for mb in lm.micro_batches(mini, cfg.ppo_micro_batch_size_per_gpu, keys, self.device):
+                with lm.autocast(self.device):
+                    vpreds = lm.token_values(model, mb)
+                vf_loss, vf_clipfrac = core_algos.compute_value_loss(
+                    vpreds=vpreds, returns=mb["returns"], values=mb["values"], response_mask=mb["response_mask"],
+                    cliprange_value=cfg.cliprange_value, loss_agg_mode=cfg.loss_agg_mode, **norm,
+                )
+                vf_loss.backward()
+                loss_sum += vf_loss.item()
+                micro_rows.append({"critic/vf_clipfrac": vf_clipfrac.item(),
+                                   "critic/vpred_mean": verl_F.masked_mean(vpreds, mb["response_mask"]).item()})
+            steps.append({"critic/vf_loss": loss_sum, "critic/grad_norm": self.critic.clip_and_step()})
+        self.critic.scheduler.step()
+        return {**_mean_metrics(steps), **_mean_metrics(micro_rows), "critic/lr": self.critic.scheduler.get_last_lr()[0]}
+
+    def _actor_micro_loss(self, mb: dict, norm: dict) -> tuple[torch.Tensor, dict[str, float]]:
+        """PPO loss of one micro-batch: clipped policy loss − entropy bonus (+ KL loss), and its metrics."""
+        cfg = self.cfg.actor_rollout_ref.actor
+        mask = mb["response_mask"]
+        with lm.autocast(self.device):
+            log_prob, entropy = lm.token_log_probs(self.actor.model, mb, self.temperature, with_entropy=True)
+        self.policy_loss_cfg.global_batch_info.update(norm)
+        pg_loss, pg_metrics = self.policy_loss_fn(
+            old_log_prob=mb["old_log_probs"], log_prob=log_prob, advantages=mb["advantages"],
+            response_mask=mask, loss_agg_mode=cfg.loss_agg_mode, config=self.policy_loss_cfg,
+        )
+        entropy_loss = core_algos.agg_loss(entropy, mask, cfg.loss_agg_mode, **norm)
+        loss = pg_loss - cfg.entropy_coeff * entropy_loss
+        metrics = {"actor/pg_loss": pg_loss.item(), "actor/entropy": entropy_loss.item(), **pg_metrics}
+        if cfg.use_kl_loss:
+            kl = core_algos.kl_penalty(log_prob, mb["ref_log_prob"], kl_penalty=cfg.kl_loss_type)
+            kl_loss = core_algos.agg_loss(kl, mask, cfg.loss_agg_mode, **norm)
+            loss = loss + cfg.kl_loss_coef * kl_loss
+            metrics["actor/kl_loss"] = kl_loss.item()
+        return loss, metrics
+
+    def update_actor(self, batch: DataProto) -> dict[str, float]:
+        """PPO clipped policy update (core_algos policy loss, asymmetric + dual clip), AdamW, grad clip."""
+        cfg = self.cfg.actor_rollout_ref.actor
+        self.actor.model.train()
+        keys = (*lm.MODEL_INPUT_KEYS, "old_log_probs", "advantages", "response_mask")
+        keys += ("ref_log_prob",) if cfg.use_kl_loss else ()
+        summed = ("actor/pg_loss", "actor/entropy", "actor/kl_loss")
+        steps, micro_rows = [], []
+        for mini in self._mini_batches(batch, cfg):
+            norm = _loss_normalisers(mini.batch["response_mask"])
+            totals: dict[str, float] = {}
+            for mb in lm.micro_batches(mini, cfg.ppo_micro_batch_size_per_gpu, keys, self.device):
+                loss, metrics = self._actor_micro_loss(mb, norm)
+                loss.backward()
+                for key in summed:
+                    if key in metrics:
+                        totals[key] = totals.get(key, 0.0) + metrics.pop(key)
+                micro_rows.append(metrics)
+            steps.append({**totals, "actor/grad_norm": self.actor.clip_and_step()})
+        self.actor.scheduler.step()
+        self._refresh_generator_weights()
+        return {**_mean_metrics(steps), **_mean_metrics(micro_rows), "actor/lr": self.actor.scheduler.get_last_lr()[0]}
+
+    # ---------------------------------------------------------------- checkpoints
+
+    def save(self, directory: Path) -> None:
+        for role, trainable in (("actor", self.actor), ("critic", self.critic)):
+            target = Path(directory) / role
+            trainable.model.save_pretrained(target)
+            self.tokenizer.save_pretrained(target)
+            torch.save(trainable.state_dict(), target / OPTIMIZER_FILE)
+
+    def load(self, directory: Path) -> None:
+        loaders = {"actor": lambda p: lm.load_actor(p, torch.device("cpu"), False),
+                   "critic": lambda p: lm.load_critic(p, torch.device("cpu"), False)}
+        for role, trainable in (("actor", self.actor), ("critic", self.critic)):
+            source = Path(directory) / role
+            trainable.model.load_state_dict(loaders[role](str(source)).state_dict())
+            trainable.load_state_dict(torch.load(source / OPTIMIZER_FILE, map_location=self.device))
+        self._refresh_generator_weights()

@@ -1,0 +1,90 @@
+"""Hugging Face models of the `local` backend and their forward passes over a rollout batch.
+
+Shapes: b trajectories in a micro-batch, T tokens per row; outputs are (b, T-1), aligned with
+`responses = input_ids[:, 1:]` (column j is about token j+1, predicted from tokens ≤ j).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from torch import nn
+from verl import DataProto
+from verl.utils import torch_functional as verl_F
+
+#: batch keys a forward pass reads
+MODEL_INPUT_KEYS = ("input_ids", "attention_mask", "position_ids")
+
+
+def autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast on GPU; plain float32 on CPU."""
+    if device.type == "cuda":
+        return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def load_actor(path: str, device: torch.device, gradient_checkpointing: bool) -> nn.Module:
+    """The policy: AutoModelForCausalLM in float32 (bf16 compute comes from autocast)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    _set_gradient_checkpointing(model, gradient_checkpointing)
+    return model
+
+
+def load_critic(path: str, device: torch.device, gradient_checkpointing: bool) -> nn.Module:
+    """The value model: the same checkpoint with a 1-output token-classification head, dropout 0 (spec §10.3).
+
+    From a causal-LM checkpoint the head `score` is freshly initialised; from a critic checkpoint it is loaded.
+    """
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    config = AutoConfig.from_pretrained(path, num_labels=1)
+    config.classifier_dropout = 0.0  # set after loading: unknown keyword arguments are dropped by from_pretrained
+    model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32).to(device)
+    _set_gradient_checkpointing(model, gradient_checkpointing)
+    return model
+
+
+def load_reference(path: str, device: torch.device) -> nn.Module:
+    """The frozen reference policy, bf16 on GPU, float32 on CPU."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    model.requires_grad_(False)
+    return model
+
+
+def _set_gradient_checkpointing(model: nn.Module, enabled: bool) -> None:
+    model.config.use_cache = False
+    if enabled:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def micro_batches(batch: DataProto, size: int, keys: tuple[str, ...], device: torch.device) -> Iterator[dict]:
+    """Consecutive micro-batches of `size` rows as dicts of the given tensors on `device`."""
+    for start in range(0, len(batch), size):
+        yield {key: batch.batch[key][start : start + size].to(device) for key in keys}
+
+
+def _forward(model: nn.Module, micro: dict) -> torch.Tensor:
+    inputs = {key: micro[key] for key in MODEL_INPUT_KEYS}
+    return model(**inputs, use_cache=False).logits
+
+
+def token_log_probs(
+    model: nn.Module, micro: dict, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log π(input_ids[:, j+1] | ≤ j) from temperature-scaled logits, (b, T-1); and the entropy if asked."""
+    logits = _forward(model, micro)[:, :-1].float() / temperature
+    log_probs = verl_F.logprobs_from_logits(logits, micro["input_ids"][:, 1:])
+    entropy = verl_F.entropy_from_logits(logits) if with_entropy else None
+    return log_probs, entropy
+
+
+def token_values(model: nn.Module, micro: dict) -> torch.Tensor:
+    """V(state ≤ j) from the value head, (b, T-1), float32."""
+    return _forward(model, micro)[:, :-1, 0].float()

@@ -1,0 +1,82 @@
+"""Step metrics of the PPO driver (names as in verl's `compute_data_metrics`, spec §10.3 step 9) and timers."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Iterator, Mapping
+
+import torch
+from verl import DataProto
+from verl.utils import torch_functional as verl_F
+
+
+class PhaseTimer:
+    """Wall-clock seconds per named phase, reported as `timing_s/<phase>`."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        return {f"timing_s/{phase}": seconds for phase, seconds in self.seconds.items()}
+
+
+def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
+    values = values.float()
+    return {f"{prefix}/mean": values.mean().item(), f"{prefix}/max": values.max().item(),
+            f"{prefix}/min": values.min().item()}
+
+
+def _masked_stats(prefix: str, values: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    on = values[mask.bool()]
+    if on.numel() == 0:
+        return {}
+    return {f"{prefix}/mean": verl_F.masked_mean(values, mask).item(), f"{prefix}/max": on.max().item(),
+            f"{prefix}/min": on.min().item()}
+
+
+def data_metrics(batch: DataProto) -> dict[str, float]:
+    """Scores, rewards, advantages, returns, values and lengths of the (filtered) training batch.
+
+    `critic/score` is the trajectory score (row sum of `token_level_scores`), `critic/rewards` the same after
+    the KL penalty; advantages/returns/values are statistics over the trained positions (`response_mask`);
+    `critic/vf_explained_var` = 1 − Var(returns − values) / Var(returns) over those positions.
+    """
+    t = batch.batch
+    mask = t["response_mask"]
+    metrics = {
+        **_stats("critic/score", t["token_level_scores"].sum(-1)),
+        **_stats("critic/rewards", t["token_level_rewards"].sum(-1)),
+        **_masked_stats("critic/advantages", t["advantages"], mask),
+        **_masked_stats("critic/returns", t["returns"], mask),
+        **_masked_stats("critic/values", t["values"], mask),
+        **_stats("response_length", t["assistant_mask"].sum(-1)),
+        **_stats("loss_tokens", mask.sum(-1)),
+        "rollout/old_log_prob": verl_F.masked_mean(t["old_log_probs"], mask).item(),
+    }
+    if mask.sum() > 1:
+        var_returns = verl_F.masked_var(t["returns"], mask)
+        var_error = verl_F.masked_var(t["returns"] - t["values"], mask)
+        metrics["critic/vf_explained_var"] = (1.0 - var_error / (var_returns + 1e-5)).item()
+    if "ref_log_prob" in t.keys():
+        metrics["rollout/ref_log_prob"] = verl_F.masked_mean(t["ref_log_prob"], mask).item()
+    return metrics
+
+
+def prefixed(prefix: str, metrics: Mapping[str, float]) -> dict[str, float]:
+    """`{prefix}/{key}` for every key, e.g. rollout metrics as `train/SimpleSokoban/success`."""
+    return {f"{prefix}/{key}": float(value) for key, value in metrics.items()}
+
+
+def mean_metrics(runs: list[Mapping[str, float]]) -> dict[str, float]:
+    """Per-key mean over repeated runs (keys missing from a run are averaged over the runs that have them)."""
+    keys = {key for run in runs for key in run}
+    return {key: sum(run[key] for run in runs if key in run) / sum(key in run for run in runs) for key in sorted(keys)}

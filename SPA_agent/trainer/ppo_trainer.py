@@ -1,0 +1,185 @@
+"""The PPO driver: RAGEN's agent trainer loop (spec §10.3) over any backend of `backend.WorkerGroup`.
+
+One step is a list of named, timed phases (`timing_s/<phase>`):
+
+    gen            rollout through LLMAgentProxy (env_groups × group_size trajectories, up to max_turn turns)
+    filter         StarPO-S: keep the groups with the most spread-out scores; response_mask := loss_mask
+    old_log_prob   actor log-probs of the batch (and entropies)
+    ref            reference log-probs (when a reference model exists)
+    values         critic values
+    adv            rewards (optionally minus β·KL) and GAE / bi-level GAE advantages
+    update_critic  clipped value loss, one pass of mini-batches
+    update_actor   clipped policy loss − entropy bonus (+ KL loss), after critic_warmup steps
+    testing        validation rollouts (`val-env/*`) every test_freq steps and at the last step
+    save_checkpoint  every save_freq steps and at the last step
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+from tqdm.auto import tqdm
+from verl import DataProto
+from verl.trainer.ppo import core_algos
+
+from SPA_agent.trainer import algos, checkpoint
+from SPA_agent.trainer.backend import WorkerGroup
+from SPA_agent.trainer.metrics import PhaseTimer, data_metrics, mean_metrics, prefixed
+from SPA_agent.trainer.tracking import MetricLogger
+
+
+class PPOTrainer:
+    """Owns the loop; the backend owns the models, the proxy owns the environments."""
+
+    def __init__(self, cfg: DictConfig, backend: WorkerGroup, proxy, logger: MetricLogger):
+        self.cfg, self.backend, self.proxy, self.logger = cfg, backend, proxy, logger
+        self.output_dir = Path(cfg.trainer.default_local_dir)
+        self.total_steps = int(cfg.trainer.total_training_steps)
+        self.kl_ctrl = core_algos.get_kl_controller(cfg.algorithm.kl_ctrl)
+        self.global_step = 0
+
+    # ---------------------------------------------------------------- the loop
+
+    def fit(self) -> None:
+        """Train from the current (possibly resumed) step to trainer.total_training_steps."""
+        trainer_cfg = self.cfg.trainer
+        if self.global_step == 0 and trainer_cfg.val_before_train and trainer_cfg.test_freq > 0:
+            self.logger.log(self.validate(), step=0)
+        steps = range(self.global_step + 1, self.total_steps + 1)
+        for step in tqdm(steps, desc="ppo", initial=self.global_step, total=self.total_steps):
+            timer = PhaseTimer()
+            with timer("step"):
+                metrics = self.train_step(step, timer)
+                last = step == self.total_steps
+                if trainer_cfg.test_freq > 0 and (step % trainer_cfg.test_freq == 0 or last):
+                    with timer("testing"):
+                        metrics.update(self.validate())
+                self.global_step = step
+                if (trainer_cfg.save_freq > 0 and step % trainer_cfg.save_freq == 0) or last:
+                    with timer("save_checkpoint"):
+                        self.save()
+            self.logger.log({**metrics, **timer.metrics()}, step=step)
+
+    def train_step(self, step: int, timer: PhaseTimer) -> dict[str, float]:
+        """One PPO iteration; returns its metrics (timings are added to `timer`)."""
+        with timer("gen"):
+            rollout = self.proxy.rollout(val=False)
+        metrics = prefixed("train", rollout.metrics)
+        metrics["rollout/first_seed"] = float(rollout.batch.non_tensor_batch["seeds"].min())
+        with timer("filter"):
+            batch, filter_metrics = self.filter_batch(rollout.batch)
+        metrics.update(filter_metrics)
+        with timer("old_log_prob"):
+            batch = batch.union(self.backend.compute_log_prob(batch))
+        if self.backend.has_ref:
+            with timer("ref"):
+                batch = batch.union(self.backend.compute_ref_log_prob(batch))
+        with timer("values"):
+            batch = batch.union(self.backend.compute_values(batch))
+        with timer("adv"):
+            metrics.update(self.compute_advantage(batch))
+        with timer("update_critic"):
+            metrics.update(self.backend.update_critic(batch))
+        if step > self.cfg.trainer.critic_warmup:
+            with timer("update_actor"):
+                metrics.update(self.backend.update_actor(batch))
+        metrics.update(data_metrics(batch))
+        metrics["perf/total_num_tokens"] = float(batch.batch["attention_mask"].sum())
+        return metrics
+
+    # ---------------------------------------------------------------- phases
+
+    def filter_batch(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
+        """StarPO-S filter, then the training view of the batch: `response_mask := loss_mask`.
+
+        The rollout's own `response_mask` (the model's sampled tokens) is kept as `assistant_mask`; the
+        rollout scores become `token_level_scores` (spec §10.3 steps 2–4).
+        """
+        rollout_cfg = self.cfg.actor_rollout_ref.rollout
+        group_size = int(self.cfg.es_manager.train.group_size)
+        _check_groups_are_consecutive(batch, group_size)
+        rows, metrics = algos.rollout_filter(
+            batch.batch["rm_scores"], group_size, rollout_cfg.rollout_filter_ratio, rollout_cfg.rollout_filter_type
+        )
+        kept = batch.select_idxs(rows.numpy())
+        tensors = kept.batch
+        tensors["assistant_mask"] = tensors["response_mask"]
+        tensors["response_mask"] = tensors["loss_mask"].float()
+        tensors["token_level_scores"] = tensors["rm_scores"].float()
+        return kept, metrics
+
+    def compute_advantage(self, batch: DataProto) -> dict[str, float]:
+        """Adds `token_level_rewards`, `advantages`, `returns` to the batch; returns KL-in-reward metrics."""
+        algo, t = self.cfg.algorithm, batch.batch
+        metrics = {}
+        if algo.use_kl_in_reward:
+            t["token_level_rewards"], kl = algos.apply_kl_penalty(
+                t["token_level_scores"], t["old_log_probs"], t["ref_log_prob"], t["response_mask"],
+                self.kl_ctrl.value, algo.kl_penalty,
+            )
+            metrics = {"actor/reward_kl_penalty": kl, "actor/reward_kl_penalty_coeff": self.kl_ctrl.value}
+            self.kl_ctrl.update(current_kl=kl, n_steps=len(batch))
+        else:
+            t["token_level_rewards"] = t["token_level_scores"]
+        t["advantages"], t["returns"] = algos.compute_advantages(
+            t["token_level_rewards"], t["values"], t["response_mask"], t["assistant_mask"],
+            gamma=algo.gamma, lam=algo.lam, bi_level=algo.bi_level_gae, high_level_gamma=algo.high_level_gamma,
+        )
+        return metrics
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        """`validation_steps` validation rollouts (same seeds each time), env metrics averaged, as `val-env/*`."""
+        runs = [self.proxy.rollout(val=True).metrics for _ in range(self.cfg.trainer.validation_steps)]
+        return prefixed("val-env", mean_metrics(runs))
+
+    # ---------------------------------------------------------------- checkpoints
+
+    def save(self) -> Path:
+        trainer_cfg = self.cfg.trainer
+        state = {"proxy": self.proxy.state_dict(), "kl_coef": self.kl_ctrl.value,
+                 "generator": _generator_state(self.backend)}
+        keep = {"actor": trainer_cfg.max_actor_ckpt_to_keep, "critic": trainer_cfg.max_critic_ckpt_to_keep}
+        return checkpoint.save_checkpoint(self.output_dir, self.global_step, self.backend.save, state, keep)
+
+    def resume(self) -> int:
+        """With resume_mode=auto, load the latest checkpoint under default_local_dir; the step resumed from."""
+        if self.cfg.trainer.resume_mode != "auto":
+            return 0
+        step = checkpoint.latest_step(self.output_dir)
+        if step is None:
+            return 0
+        self.backend.load(checkpoint.step_dir(self.output_dir, step))
+        state = checkpoint.load_trainer_state(self.output_dir, step)
+        self.proxy.load_state_dict(state["proxy"])
+        self.kl_ctrl.value = state["kl_coef"]
+        _load_generator_state(self.backend, state.get("generator"))
+        checkpoint.set_rng_state(state["rng"])
+        self.global_step = step
+        self.logger.truncate_after(step)
+        tqdm.write(f"resumed from {checkpoint.step_dir(self.output_dir, step)}")
+        return step
+
+
+def _check_groups_are_consecutive(batch: DataProto, group_size: int) -> None:
+    """The filter ranks blocks of `group_size` consecutive rows: they must be the rollout's groups."""
+    group_ids = batch.non_tensor_batch.get("group_ids")
+    if group_ids is None:
+        return
+    blocks = group_ids.reshape(-1, group_size)
+    if not (blocks == blocks[:, :1]).all():
+        raise ValueError("rollout rows are not ordered by group (group_size consecutive rows per group)")
+
+
+def _generator_state(backend: WorkerGroup) -> dict | None:
+    """The sampling state of generators that expose one (so a resumed run samples as an unbroken one)."""
+    generator = getattr(backend, "generator", None)
+    return generator.state_dict() if hasattr(generator, "state_dict") else None
+
+
+def _load_generator_state(backend: WorkerGroup, state: dict | None) -> None:
+    generator = getattr(backend, "generator", None)
+    if state is not None and hasattr(generator, "load_state_dict"):
+        generator.load_state_dict(state)

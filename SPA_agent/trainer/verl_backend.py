@@ -1,0 +1,249 @@
+"""`verl` backend: verl's Ray/FSDP engine workers and its vLLM/SGLang server rollout behind our WorkerGroup protocol.
+
+Placement (spec §10.4): one Ray resource pool of `trainer.n_gpus_per_node × trainer.nnodes` GPUs holding one
+colocated worker per GPU: verl's `ActorRolloutRefWorker` (FSDP actor, frozen reference when `use_ref`, and the
+rollout engine sharing the GPU: the hybrid engine) and a `TrainingWorker` value model (the critic). The rollout
+engine runs verl's server mode; our driver's LLMAgentProxy keeps the multi-turn loop and sends each turn's prompt
+ids through verl's `LLMServerClient` (token in, token out), so prompts, parsing, masks and rewards are the local
+backend's code. Log-probs, values and both PPO updates run inside verl's workers with verl's losses
+(`verl.workers.utils.losses.ppo_loss` / `value_loss`, i.e. `core_algos`).
+
+The engine's memory is handed back and forth as verl's trainer does: the first `generate` after training syncs
+the FSDP actor's weights into the engine and wakes it (`CheckpointEngineManager.update_weights`); the first
+training call after generating puts the engine to sleep. Batches move between the layouts with `verl_layout`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import uuid
+from functools import partial
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+from verl import DataProto
+from verl.utils import tensordict_utils as tu
+
+from SPA_agent.generators.base import FINISH_LENGTH, FINISH_STOP, Generation, Prompt
+from SPA_agent.trainer import verl_layout as vl
+from SPA_agent.trainer.verl_config import INSTALL_HINT, build_verl_config, check_verl_config
+
+#: metric names of verl's workers → ours (as the local backend logs them)
+METRIC_NAMES = {"actor/entropy_loss": "actor/entropy", "actor/mfu": "perf/mfu/actor", "critic/mfu": "perf/mfu/critic"}
+
+
+def runtime_problems(rollout_name: str, installed, cuda_available: bool) -> list[str]:
+    """What this machine lacks for trainer.backend=verl: missing packages (`installed(name)` is False) and GPUs."""
+    problems = [name for name in ("ray", rollout_name) if not installed(name)]
+    return problems + ([] if cuda_available else ["a CUDA GPU"])
+
+
+def check_runtime(cfg: DictConfig) -> None:
+    """One clear ValueError naming everything trainer.backend=verl needs and does not find here."""
+    problems = runtime_problems(cfg.verl_backend.rollout_name,
+                                lambda name: importlib.util.find_spec(name) is not None, torch.cuda.is_available())
+    if problems:
+        raise ValueError(
+            f"trainer.backend=verl needs ray, {cfg.verl_backend.rollout_name} and CUDA GPUs; missing here: "
+            f"{', '.join(problems)}. On a GPU machine: {INSTALL_HINT} (offline hosts: scripts/offline_wheelhouse.sh); "
+            "or train on one device with trainer.backend=local"
+        )
+
+
+def start_ray(address: str | None, verl_cfg: DictConfig) -> None:
+    """Join the Ray cluster at `address` (None: the one `ray start` made on this machine, else a new local one)."""
+    import ray
+    from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
+
+    if not ray.is_initialized():
+        ray.init(address=address, runtime_env=get_ppo_ray_runtime_env(verl_cfg))
+
+
+class VerlWorkers:
+    """The Ray worker groups and the rollout servers, started as verl's RayPPOTrainer.init_workers starts them."""
+
+    def __init__(self, verl_cfg: DictConfig, has_ref: bool):
+        import ray
+        from verl.checkpoint_engine import CheckpointEngineManager
+        from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup, ResourcePoolManager
+        from verl.single_controller.ray.base import create_colocated_worker_cls
+        from verl.trainer.ppo.utils import Role
+        from verl.utils.config import omega_conf_to_dataclass
+        from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
+        from verl.workers.rollout.llm_server import LLMServerManager
+
+        actor_role = Role.ActorRolloutRef if has_ref else Role.ActorRollout
+        trainer = verl_cfg.trainer
+        pools = ResourcePoolManager(resource_pool_spec={"global_pool": [trainer.n_gpus_per_node] * trainer.nnodes},
+                                    mapping={actor_role: "global_pool", Role.Critic: "global_pool"})
+        pools.create_resource_pool()
+        pool = pools.get_resource_pool(actor_role)
+        critic_cfg = omega_conf_to_dataclass(verl_cfg.critic)
+        classes = {
+            str(actor_role): RayClassWithInitArgs(cls=ray.remote(ActorRolloutRefWorker),
+                                                  config=verl_cfg.actor_rollout_ref, role=str(actor_role)),
+            str(Role.Critic): RayClassWithInitArgs(cls=ray.remote(TrainingWorker), config=_critic_worker_config(critic_cfg)),
+        }
+        group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=create_colocated_worker_cls(class_dict=classes),
+                               device_name="cuda")
+        groups = group.spawn(prefix_set=classes.keys())
+        self.critic = groups[str(Role.Critic)]
+        self.critic.reset()
+        from verl.workers.utils.losses import value_loss
+
+        self.critic.set_loss_fn(partial(value_loss, config=critic_cfg))
+        self.actor = groups[str(actor_role)]
+        self.actor.init_model()  # last, so the rollout engine sees what memory is left
+        servers = LLMServerManager.create(config=verl_cfg, worker_group=self.actor, rollout_resource_pool=pool)
+        self.client = servers.get_client()
+        engine_cfg = omega_conf_to_dataclass(verl_cfg.actor_rollout_ref.rollout.checkpoint_engine)
+        self.checkpoints = CheckpointEngineManager(config=engine_cfg, actor_wg=self.actor,
+                                                   replicas=servers.get_replicas())
+        self.checkpoints.sleep_replicas()
+
+
+def _critic_worker_config(critic_cfg):
+    """verl's TrainingWorkerConfig of a value model, as RayPPOTrainer.init_workers builds it."""
+    from verl.workers.config import TrainingWorkerConfig
+
+    engine = critic_cfg.engine
+    engine.infer_max_token_len_per_gpu = critic_cfg.ppo_infer_max_token_len_per_gpu
+    engine.max_token_len_per_gpu = critic_cfg.ppo_max_token_len_per_gpu
+    return TrainingWorkerConfig(model_type="value_model", model_config=critic_cfg.model, engine_config=engine,
+                                optimizer_config=critic_cfg.optim, checkpoint_config=critic_cfg.checkpoint)
+
+
+def _metrics(raw: dict, prefix: str) -> dict[str, float]:
+    """verl worker metrics (lists per micro-batch) → one float each, named as the local backend names them."""
+    from verl.utils.metric import reduce_metrics
+    from verl.utils.py_functional import rename_dict
+
+    reduced = reduce_metrics(rename_dict(dict(raw), prefix))
+    return {METRIC_NAMES.get(key, key): float(value) for key, value in reduced.items()}
+
+
+class VerlBackend:
+    """The worker group of `trainer.backend=verl` (see backend.WorkerGroup for the contract)."""
+
+    def __init__(self, cfg: DictConfig, tokenizer):
+        check_runtime(cfg)
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.verl_cfg = build_verl_config(cfg)
+        check_verl_config(cfg, self.verl_cfg)
+        self.has_ref = bool(cfg.actor_rollout_ref.actor.use_ref)
+        self.temperature = float(cfg.actor_rollout_ref.rollout.temperature)
+        self.sampling = self._sampling_params()
+        start_ray(cfg.verl_backend.ray_address, self.verl_cfg)
+        self.workers = VerlWorkers(self.verl_cfg, self.has_ref)
+        self._rollout_awake = False
+        self._actor_updates = 0
+
+    # ---------------------------------------------------------------- generation
+
+    def _sampling_params(self) -> dict:
+        from SPA_agent.generators.vllm import model_stop_ids
+
+        rollout = self.cfg.actor_rollout_ref.rollout
+        self.stop_ids = model_stop_ids(self.verl_cfg.actor_rollout_ref.model.path, self.tokenizer)
+        return {"temperature": float(rollout.temperature), "top_p": float(rollout.top_p), "top_k": int(rollout.top_k),
+                "max_tokens": int(rollout.response_length), "stop_token_ids": list(self.stop_ids)}
+
+    def generate(self, prompts: list[Prompt]) -> list[Generation]:
+        """One turn for every prompt, on verl's rollout servers with the actor's current weights."""
+        self._wake_rollout()
+        return asyncio.run(self._generate_all(prompts))
+
+    async def _generate_all(self, prompts: list[Prompt]) -> list[Generation]:
+        return list(await asyncio.gather(*(self._generate_one(p) for p in prompts)))
+
+    async def _generate_one(self, prompt: Prompt) -> Generation:
+        output = await self.workers.client.generate(uuid.uuid4().hex, prompt_ids=list(prompt.prompt_ids),
+                                                    sampling_params=dict(self.sampling))
+        if output.stop_reason == "aborted":
+            raise RuntimeError("the rollout server aborted a request (engine put to sleep mid-generation)")
+        ids = list(output.token_ids)
+        finished = bool(ids) and ids[-1] in self.stop_ids
+        return Generation(text=self.tokenizer.decode(ids, skip_special_tokens=True), token_ids=ids,
+                          finish_reason=FINISH_STOP if finished else FINISH_LENGTH)
+
+    def _wake_rollout(self) -> None:
+        """Sync the FSDP actor's weights into the engine and resume it (verl's naive checkpoint engine)."""
+        if not self._rollout_awake:
+            self.workers.checkpoints.update_weights(self._actor_updates)
+            self._rollout_awake = True
+
+    def _sleep_rollout(self) -> None:
+        """Free the engine's weights and KV cache for the training passes."""
+        if self._rollout_awake:
+            self.workers.checkpoints.sleep_replicas()
+            self._rollout_awake = False
+
+    # ---------------------------------------------------------------- inference passes
+
+    def _token_output(self, output, data, batch: DataProto, key: str) -> torch.Tensor:
+        return vl.worker_output(tu.get(output, key), data, batch.batch["attention_mask"]).float()
+
+    def compute_log_prob(self, batch: DataProto) -> DataProto:
+        self._sleep_rollout()
+        data = vl.worker_input(batch, ("response_mask",), temperature=self.temperature, calculate_entropy=True,
+                               compute_loss=False)
+        output = self.workers.actor.compute_log_prob(data)
+        return DataProto.from_dict(tensors={"old_log_probs": self._token_output(output, data, batch, "log_probs"),
+                                            "entropys": self._token_output(output, data, batch, "entropy")})
+
+    def compute_ref_log_prob(self, batch: DataProto) -> DataProto:
+        if not self.has_ref:
+            raise ValueError("no reference model: set actor_rollout_ref.actor.use_ref=True")
+        self._sleep_rollout()
+        data = vl.worker_input(batch, ("response_mask",), temperature=self.temperature, calculate_entropy=False,
+                               compute_loss=False)
+        output = self.workers.actor.compute_ref_log_prob(data)
+        return DataProto.from_dict(tensors={"ref_log_prob": self._token_output(output, data, batch, "log_probs")})
+
+    def compute_values(self, batch: DataProto) -> DataProto:
+        self._sleep_rollout()
+        data = vl.worker_input(batch, ("response_mask",), temperature=self.temperature, compute_loss=False)
+        output = self.workers.critic.infer_batch(data).get()
+        values = self._token_output(output, data, batch, "values") * batch.batch["response_mask"]
+        return DataProto.from_dict(tensors={"values": values})
+
+    # ---------------------------------------------------------------- updates
+
+    def _update_meta(self, role_cfg: DictConfig) -> dict:
+        """How verl's train_mini_batch splits the batch: mini-batches, epochs, shuffling (RayPPOTrainer's keys)."""
+        mini = int(role_cfg.ppo_mini_batch_size)
+        return {"temperature": self.temperature, "global_batch_size": mini, "mini_batch_size": mini,
+                "epochs": int(role_cfg.ppo_epochs), "seed": int(self.verl_cfg.actor_rollout_ref.actor.data_loader_seed), "dataloader_kwargs": {"shuffle": bool(role_cfg.shuffle)}}
+
+    def update_critic(self, batch: DataProto) -> dict[str, float]:
+        self._sleep_rollout()
+        data = vl.worker_input(batch, ("response_mask", "values", "returns"), **self._update_meta(self.cfg.critic))
+        output = self.workers.critic.train_mini_batch(data).get()
+        return _metrics(tu.get(output, "metrics"), "critic/")
+
+    def update_actor(self, batch: DataProto) -> dict[str, float]:
+        actor = self.cfg.actor_rollout_ref.actor
+        self._sleep_rollout()
+        keys = ("response_mask", "old_log_probs", "advantages") + (("ref_log_prob",) if actor.use_kl_loss else ())
+        data = vl.worker_input(batch, keys, calculate_entropy=actor.entropy_coeff != 0, compute_loss=True,
+                               distillation_use_topk=False, distillation_only=False, **self._update_meta(actor))
+        output = self.workers.actor.update_actor(data)
+        self._actor_updates += 1
+        return _metrics(tu.get(output, "metrics"), "actor/")
+
+    # ---------------------------------------------------------------- checkpoints
+
+    def save(self, directory: Path) -> None:
+        """verl's FSDP checkpoints: `<dir>/actor` and `<dir>/critic` (sharded model, optimizer, RNG) with a Hugging
+        Face export in `<role>/huggingface`. Multi-node: `directory` must be on a filesystem every node sees."""
+        self._sleep_rollout()
+        for role, group in (("actor", self.workers.actor), ("critic", self.workers.critic)):
+            group.save_checkpoint(str(Path(directory) / role), hdfs_path=None, global_step=self._actor_updates,
+                                  max_ckpt_to_keep=None)
+
+    def load(self, directory: Path) -> None:
+        self._sleep_rollout()
+        for role, group in (("actor", self.workers.actor), ("critic", self.workers.critic)):
+            group.load_checkpoint(str(Path(directory) / role))

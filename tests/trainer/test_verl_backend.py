@@ -1,0 +1,121 @@
+"""Backend selection, the verl runtime check, and verl's worker losses against the local backend on one batch.
+
+The Ray/vLLM part of VerlBackend needs GPUs and is not run here (docs/scale_out.md lists the GPU checks); what runs
+is everything the workers do to our batch on the way in and out: the layout mapping, the translated ActorConfig /
+CriticConfig, and verl's own `ppo_loss` / `value_loss` (verl.workers.utils.losses) as its engine calls them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from verl.utils.config import omega_conf_to_dataclass
+from verl.workers.utils.losses import ppo_loss, value_loss
+
+from SPA_agent.agent_proxy import LLMAgentProxy
+from SPA_agent.config import compose
+from SPA_agent.generators import build_generator
+from SPA_agent.trainer import local_backend, verl_config, verl_layout
+from SPA_agent.trainer import local_models as lm
+from SPA_agent.trainer.backend import build_backend
+from SPA_agent.trainer.verl_backend import runtime_problems
+
+
+def test_unknown_backend_lists_the_valid_ones(tiny_tokenizer):
+    cfg = compose("_2_sokoban", ["model=tiny", "trainer.backend=megatron"])
+    with pytest.raises(ValueError, match=r"choose one of \['local', 'verl'\]"):
+        build_backend(cfg, tiny_tokenizer)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without GPUs")
+def test_verl_backend_without_gpu_names_what_to_install(tiny_tokenizer):
+    cfg = compose("_2_sokoban", ["model=tiny", "trainer.backend=verl"])
+    with pytest.raises(ValueError, match=r"missing here: .*a CUDA GPU.*pip install 'spa-agent\[gpu\]'"):
+        build_backend(cfg, tiny_tokenizer)
+
+
+def test_runtime_problems_lists_each_missing_piece():
+    assert runtime_problems("vllm", lambda name: True, cuda_available=True) == []
+    assert runtime_problems("vllm", lambda name: name != "vllm", cuda_available=True) == ["vllm"]
+    assert runtime_problems("sglang", lambda name: False, cuda_available=False) == ["ray", "sglang", "a CUDA GPU"]
+
+
+# ------------------------------------------------------------------------------------------------ losses
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_tokenizer, tiny_dir):
+    """A rollout batch with old log-probs, values, advantages and returns, plus the local backend that made them."""
+    cfg = compose("_2_sokoban", ["model=tiny", "generator=random", "trainer.device=cpu"])
+    torch.manual_seed(0)
+    proxy = LLMAgentProxy(cfg, build_generator(cfg.generator, str(tiny_dir), tiny_tokenizer), tiny_tokenizer)
+    batch = proxy.rollout(val=False).batch
+    batch.batch["response_mask"] = batch.batch["loss_mask"].float()
+    backend = local_backend.LocalBackend(cfg, tiny_tokenizer)
+    batch = batch.union(backend.compute_log_prob(batch)).union(backend.compute_values(batch))
+    mask = batch.batch["response_mask"]
+    batch.batch["advantages"] = torch.randn(mask.shape) * mask
+    batch.batch["returns"] = (batch.batch["values"] + torch.randn(mask.shape)) * mask
+    batch.batch["old_log_probs"] = batch.batch["old_log_probs"] + 0.3 * torch.randn(mask.shape) * mask  # ratios ≠ 1
+    return cfg, backend, batch
+
+
+def _nested(per_row: list[torch.Tensor]) -> torch.Tensor:
+    return torch.nested.as_nested_tensor(per_row, layout=torch.jagged)
+
+
+def _engine_outputs(model, batch, values: bool) -> dict[str, torch.Tensor]:
+    """What verl's engine hands the loss: per real token t of each row, the output about token t+1 (nested)."""
+    lps, ents, vals = [], [], []
+    for ids, mask in zip(batch.batch["input_ids"], batch.batch["attention_mask"]):
+        seq = ids[mask.bool()][None]
+        out = model(input_ids=seq).logits[0].float()
+        pad = torch.zeros(1)
+        if values:
+            vals.append(torch.cat([out[:-1, 0], pad]))
+            continue
+        logp = torch.log_softmax(out[:-1], -1)
+        lps.append(torch.cat([logp.gather(-1, seq[0, 1:, None])[:, 0], pad]))
+        ents.append(torch.cat([-(logp.exp() * logp).sum(-1), pad]))
+    return {"values": _nested(vals)} if values else {"log_probs": _nested(lps), "entropy": _nested(ents)}
+
+
+def _engine_meta(batch) -> dict:
+    """The keys verl's FSDP engine and driver attach before calling the loss (one data-parallel rank)."""
+    mask = batch.batch["response_mask"]
+    return {"dp_size": 1, "batch_num_tokens": int(mask.sum()), "global_batch_size": len(batch)}
+
+
+@torch.no_grad()
+def test_verl_policy_loss_equals_the_local_backend_loss(setup):
+    cfg, backend, batch = setup
+    keys = ("response_mask", "old_log_probs", "advantages")
+    data = verl_layout.worker_input(batch, keys, temperature=1.0, **_engine_meta(batch))
+    actor_cfg = omega_conf_to_dataclass(verl_config.build_verl_config(cfg).actor_rollout_ref.actor)
+    verl_loss, verl_metrics = ppo_loss(actor_cfg, _engine_outputs(backend.actor.model, batch, False), data)
+
+    micro = {key: batch.batch[key] for key in (*lm.MODEL_INPUT_KEYS, *keys)}
+    norm = local_backend._loss_normalisers(batch.batch["response_mask"])
+    local_loss, local_metrics = backend._actor_micro_loss(micro, norm)
+    print("LOSS", float(verl_loss), float(local_loss)); torch.testing.assert_close(verl_loss, local_loss, atol=1e-5, rtol=1e-4)
+    assert verl_metrics["actor/pg_loss"].values[0] == pytest.approx(local_metrics["actor/pg_loss"], abs=1e-5)
+    assert verl_metrics["actor/entropy_loss"].values[0] == pytest.approx(local_metrics["actor/entropy"], abs=1e-5)
+
+
+@torch.no_grad()
+def test_verl_value_loss_equals_the_local_backend_loss(setup):
+    cfg, backend, batch = setup
+    from verl.trainer.ppo import core_algos
+
+    keys = ("response_mask", "values", "returns")
+    data = verl_layout.worker_input(batch, keys, temperature=1.0, **_engine_meta(batch))
+    critic_cfg = omega_conf_to_dataclass(verl_config.build_verl_config(cfg).critic)
+    verl_loss, _ = value_loss(critic_cfg, _engine_outputs(backend.critic.model, batch, True), data)
+
+    micro = {key: batch.batch[key] for key in lm.MODEL_INPUT_KEYS}
+    vpreds = lm.token_values(backend.critic.model, micro)
+    local_loss, _ = core_algos.compute_value_loss(
+        vpreds=vpreds, returns=batch.batch["returns"], values=batch.batch["values"],
+        response_mask=batch.batch["response_mask"], cliprange_value=cfg.critic.cliprange_value,
+        loss_agg_mode=cfg.critic.loss_agg_mode, **local_backend._loss_normalisers(batch.batch["response_mask"]))
+    print("LOSS", float(verl_loss), float(local_loss)); torch.testing.assert_close(verl_loss, local_loss, atol=1e-5, rtol=1e-4)
