@@ -97,7 +97,7 @@ def test_verl_policy_loss_equals_the_local_backend_loss(setup):
     micro = {key: batch.batch[key] for key in (*lm.MODEL_INPUT_KEYS, *keys)}
     norm = local_backend._loss_normalisers(batch.batch["response_mask"])
     local_loss, local_metrics = backend._actor_micro_loss(micro, norm)
-    print("LOSS", float(verl_loss), float(local_loss)); torch.testing.assert_close(verl_loss, local_loss, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(verl_loss, local_loss, atol=1e-5, rtol=1e-4)
     assert verl_metrics["actor/pg_loss"].values[0] == pytest.approx(local_metrics["actor/pg_loss"], abs=1e-5)
     assert verl_metrics["actor/entropy_loss"].values[0] == pytest.approx(local_metrics["actor/entropy"], abs=1e-5)
 
@@ -118,4 +118,4 @@ def test_verl_value_loss_equals_the_local_backend_loss(setup):
         vpreds=vpreds, returns=batch.batch["returns"], values=batch.batch["values"],
         response_mask=batch.batch["response_mask"], cliprange_value=cfg.critic.cliprange_value,
         loss_agg_mode=cfg.critic.loss_agg_mode, **local_backend._loss_normalisers(batch.batch["response_mask"]))
-    print("LOSS", float(verl_loss), float(local_loss)); torch.testing.assert_close(verl_loss, local_loss, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(verl_loss, local_loss, atol=1e-5, rtol=1e-4)
