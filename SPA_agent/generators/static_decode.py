@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from SPA_agent.generators.base import SamplingParams
 
 ATTENTION_NAME = "spa_grouped_sdpa"
-PROMPT_BUCKET = 64  # prompt widths are padded up to a multiple of this, so chunks of similar length share a graph
+PROMPT_BUCKET = 64  # on GPU, prompt widths and cache lengths are multiples of this: similar chunks share a graph
 CHECK_EVERY = 16  # decode steps between checks whether every sequence has finished
 
 
@@ -83,12 +83,14 @@ class StaticKVCache(_cache_base()):
 
     Implements the part of transformers' Cache API that attention layers use (`update`); it subclasses `Cache`
     only so that type checks in model code accept it, and initialises none of its dynamic state.
-    Prefill (several tokens) writes positions [0, P) and returns just the new keys/values; a decode step writes
-    position `write_index` (a (1,) tensor, updated in place between CUDA-graph replays) and returns the buffers.
+    While `prefilling`, the prompt's keys/values go to positions [0, P) and are returned as they are; a decode step
+    writes position `write_index` (a (1,) tensor, updated in place between CUDA-graph replays) and returns the
+    buffers.
     """
 
     def __init__(self, max_len: int, write_index: torch.Tensor):  # noqa: D107 (no Cache.__init__: see above)
         self.max_len, self.write_index = max_len, write_index
+        self.prefilling = False
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
 
@@ -98,7 +100,7 @@ class StaticKVCache(_cache_base()):
             shape = (batch, kv_heads, self.max_len, head_dim)
             self.keys.append(key_states.new_zeros(shape))
             self.values.append(value_states.new_zeros(shape))
-        if key_states.shape[2] > 1:
+        if self.prefilling:
             self.keys[layer_idx][:, :, : key_states.shape[2]].copy_(key_states)
             self.values[layer_idx][:, :, : value_states.shape[2]].copy_(value_states)
             return key_states, value_states
@@ -128,7 +130,9 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """Next token per row, (B,), from float32 logits (B, V)."""
     if params.greedy:
         return logits.argmax(dim=-1)
-    logits = filter_logits(logits / params.temperature, params.top_k, params.top_p)
+    if params.temperature != 1.0:
+        logits = logits / params.temperature
+    logits = filter_logits(logits, params.top_k, params.top_p)
     return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(1)
 
 
@@ -156,15 +160,16 @@ class _DecodeState:
         return output.logits[:, -1].float()
 
     def step(self) -> torch.Tensor:
-        if not self._use_cuda_graph:
-            return self.forward_step()
         if self.graph is None:
-            self._capture()
+            return self.forward_step()
         self.graph.replay()
         return self.logits
 
-    def _capture(self) -> None:
-        """Warm up on a side stream, then record one step (buffers are reset by the next prefill)."""
+    def capture(self) -> None:
+        """On GPU, record one decode step in a CUDA graph (once per state). Runs before the prefill, which resets
+        the mask and cache positions that warm-up and capture wrote to."""
+        if not self._use_cuda_graph or self.graph is not None:
+            return
         start = time.perf_counter()
         self.write_index.fill_(self.shape[1] - 1)
         stream = torch.cuda.Stream()
@@ -204,9 +209,13 @@ class StaticDecoder:
         its row holds `pad_id`."""
         input_ids, attention_mask = self._bucket(input_ids, attention_mask)
         batch, width = input_ids.shape
-        state = self._state_for(batch, width + params.max_new_tokens)
+        max_len = width + params.max_new_tokens
+        if self.use_cuda_graphs:  # aligned key length: SDPA's masked kernels want a multiple of 16
+            max_len += -max_len % PROMPT_BUCKET
+        state = self._state_for(batch, max_len)
         captured_before = state.capture_s
         with grouped_attention(self.model):
+            state.capture()
             logits = self._prefill(state, input_ids, attention_mask)
             tokens = self._decode(state, logits, attention_mask.sum(dim=1), width, params, generator)
         self.last_capture_s = state.capture_s - captured_before
@@ -230,8 +239,12 @@ class StaticDecoder:
         causal = torch.ones((width, width), dtype=torch.bool, device=self.device).tril()
         mask = (causal[None] & keys[:, None, :]) | torch.eye(width, dtype=torch.bool, device=self.device)[None]
         position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-        output = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask[:, None],
-                            past_key_values=state.cache, use_cache=True, logits_to_keep=1)
+        state.cache.prefilling = True
+        try:
+            output = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask[:, None],
+                                past_key_values=state.cache, use_cache=True, logits_to_keep=1)
+        finally:
+            state.cache.prefilling = False
         state.attend.zero_()
         state.attend[:, :width] = keys
         return output.logits[:, -1].float()

@@ -88,3 +88,12 @@ def test_grouped_decode_attention_equals_repeated_heads():
     expected = torch.nn.functional.scaled_dot_product_attention(
         query, repeat_kv(key, 3), repeat_kv(value, 3), attn_mask=mask, scale=0.5).transpose(1, 2)
     torch.testing.assert_close(output, expected)
+
+
+def test_one_token_prompts_match_generate(varied_model, tiny_tokenizer):
+    from SPA_agent.generators import Prompt
+
+    prompts = [Prompt(messages=[], prompt_ids=[5]), Prompt(messages=[], prompt_ids=[7])]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
+    assert ids(hf(varied_model, tiny_tokenizer, greedy, "static").generate(prompts)) == ids(
+        hf(varied_model, tiny_tokenizer, greedy, "generate").generate(prompts))
