@@ -1,0 +1,65 @@
+"""scripts/offline_wheelhouse.sh: argument errors, and a real small wheelhouse split, reassembled and installed offline.
+
+The real run fetches one small pure-Python project (python-dateutil) from the package index; never vllm.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "offline_wheelhouse.sh"
+
+
+def _run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHON": sys.executable}
+    return subprocess.run(["bash", str(SCRIPT), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--python", "312"], "--python must look like 3.12"),
+    (["--have", "/nonexistent/freeze.txt"], "pip freeze > have.txt"),
+    (["--split", "lots"], "--split must be a size"),
+    (["--frobnicate"], "unknown option --frobnicate"),
+])
+def test_bad_arguments_exit_2_with_one_line(args, message):
+    result = _run(*args)
+    assert result.returncode == 2
+    assert message in result.stderr and result.stderr.count("\n") == 1
+
+
+def test_help_lists_the_options():
+    result = _run("--help")
+    assert result.returncode == 0
+    for option in ("--have", "--split", "--slim-ray", "--python", "--platform"):
+        assert option in result.stdout
+
+
+@pytest.mark.slow
+def test_wheelhouse_skips_host_packages_splits_and_installs_offline(tmp_path):
+    build = tmp_path / "build"
+    build.mkdir()
+    (build / "have.txt").write_text("tzdata==2025.2\n-e git+https://example.invalid/x.git#egg=x\n")
+    result = _run("--out", "wh", "--have", "have.txt", "--split", "20K", "python-dateutil", cwd=build)
+    assert result.returncode == 0, result.stderr
+    wheels = sorted(p.name for p in (build / "wh").glob("*.whl"))
+    assert len(wheels) == 1 and wheels[0].startswith("python_dateutil-"), "tzdata is on the host: not fetched"
+    parts = sorted(build.glob("wh.tar.part-*"))
+    assert len(parts) > 1 and all(p.stat().st_size <= 20 * 1024 for p in parts)
+
+    host = tmp_path / "host"  # gets only the parts, then runs the printed command with --target
+    host.mkdir()
+    for part in parts:
+        shutil.copy(part, host)
+    command = next(line for line in result.stdout.splitlines() if line.startswith("cat wh.tar.part-*"))
+    command = command.replace("pip install", f"{sys.executable} -m pip install --target site")
+    install = subprocess.run(command, shell=True, cwd=host, capture_output=True, text=True, timeout=120)
+    assert install.returncode == 0, install.stderr
+    check = subprocess.run([sys.executable, "-c", "import dateutil, sys; print(dateutil.__file__)"],
+                           env={**os.environ, "PYTHONPATH": str(host / "site")}, capture_output=True, text=True)
+    assert check.returncode == 0 and str(host / "site") in check.stdout
