@@ -76,11 +76,18 @@ def shifted_labels(sample: SftSample) -> torch.Tensor:
     return labels
 
 
-def collate_packed(samples: Sequence[SftSample], pad_id: int) -> dict[str, torch.Tensor]:
-    """One packed row. input_ids, position_ids, labels: (1, L), L = total tokens (1 for an empty micro-batch)."""
-    if not samples:
-        return {"input_ids": torch.tensor([[pad_id]]), "position_ids": torch.zeros(1, 1, dtype=torch.long),
-                "labels": torch.tensor([[IGNORE_INDEX]])}
+def collate_packed(samples: Sequence[SftSample], pad_id: int,
+                   pad_to_multiple: int = 0) -> dict[str, torch.Tensor]:
+    """One packed row. input_ids, position_ids, labels: (1, L), L = total tokens (1 for an empty micro-batch).
+
+    `pad_to_multiple` > 0 appends an untrained filler segment (its own positions, so nothing attends across
+    it) up to the next multiple: few distinct shapes for compiled attention kernels.
+    """
+    total = sum(len(s) for s in samples)
+    filler = (-(-total // pad_to_multiple) * pad_to_multiple if pad_to_multiple > 0 else 1) - total
+    if filler > 0:
+        pad = torch.full((filler,), pad_id)
+        samples = [*samples, SftSample(pad, torch.zeros_like(pad))]
     return {
         "input_ids": torch.cat([s.input_ids for s in samples])[None],
         "position_ids": torch.cat([torch.arange(len(s)) for s in samples])[None],

@@ -54,6 +54,12 @@ class SftTrainer:
         self.global_step = 0
 
     # ---------------------------------------------------------------- setup
+    def preflight(self) -> None:
+        """Check config and data (batch sizes, files, schema, lengths) without processes groups or a model."""
+        self._check_batch_sizes()
+        self.model_path = resolve_model_path(self.cfg.model.partial_pretrain)
+        self._build_data()
+
     def setup(self) -> None:
         self._check_batch_sizes()
         self._init_distributed()
@@ -197,8 +203,9 @@ class SftTrainer:
 
     def _collate(self, indices: list[int], dataset: SpaSftDataset) -> dict[str, torch.Tensor]:
         samples = [dataset[i] for i in indices]
-        if self.cfg.data.packing:
-            return collate_packed(samples, self.pad_id)
+        data = self.cfg.data
+        if data.packing:
+            return collate_packed(samples, self.pad_id, data.pad_packed_to_multiple)
         return collate_padded(samples, self.pad_id)
 
     def _plan(self, indices: list[int], dataset: SpaSftDataset) -> list[list[list[int]]]:
@@ -315,8 +322,12 @@ def main(cfg: DictConfig) -> None:
     init_method = "env://" if "MASTER_ADDR" in os.environ else None
     with cfg_unlocked(cfg):
         cfg.trainer.wandb_mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
-    trainer = SftTrainer(cfg, rank, world, local_rank, init_method)
+    preflight = cfg.trainer.get("preflight_nproc")
+    trainer = SftTrainer(cfg, rank, preflight or world, local_rank, init_method)
     try:
+        if preflight:
+            trainer.preflight()
+            return
         trainer.setup()
         trainer.train()
     except (ValueError, FileNotFoundError) as error:

@@ -1,0 +1,157 @@
+"""SFT throughput: our packed batching vs the original recipe's (micro batch 1, every row padded to 2048).
+
+Runs the trainer's own pieces (FSDP2 `shard` with bf16 mixed precision, `plan_packed`/`plan_padded`,
+`collate_*`, `token_loss_sum`, AdamW, clipping) on one device, on a Qwen2.5-1.5B-shaped model with random
+weights (no download) and synthetic SPA-shaped rows: prompts U(400, 1800) tokens, responses U(60, 250) + eos.
+Prints one JSON line per variant: useful (non-padding) tokens/s (median over timed steps) and MFU.
+
+    python benchmarks/sft_throughput.py                 # GPU: original vs packed (sdpa, flex_attention)
+    python benchmarks/sft_throughput.py --smoke         # tiny model on CPU, a few steps
+
+MFU = useful tokens/s × FLOPs per useful token / peak. FLOPs per token: 6 × (non-embedding parameters +
+hidden × vocab for the output projection) plus causal attention 6 × layers × hidden × (row length) averaged
+per token; peak = 989 TFLOP/s (H100/H200 SXM dense bf16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from sft.fsdp_model import shard
+from sft.packing import collate_packed, collate_padded, count_loss_tokens, plan_packed, plan_padded, \
+    token_loss_sum
+from sft.spa_sft_dataset import SftSample
+
+PEAK_FLOPS = 989e12
+QWEN25_15B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                  num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6,
+                  tie_word_embeddings=True)
+
+
+def synthetic_rows(n: int, vocab: int, max_length: int, scale: float, seed: int = 0) -> list[SftSample]:
+    """Rows shaped like stage-1 data: prompt U(400,1800)·scale, response U(60,250)·scale (+eos) trained."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        p = int(torch.randint(int(400 * scale), int(1800 * scale) + 1, (1,), generator=g))
+        r = int(torch.randint(int(60 * scale), int(250 * scale) + 1, (1,), generator=g)) + 1
+        ids = torch.randint(0, vocab, (min(p + r, max_length),), generator=g)
+        mask = torch.zeros_like(ids)
+        mask[-r:] = 1
+        rows.append(SftSample(ids, mask))
+    return rows
+
+
+def flops_per_step(rows: list[SftSample], cfg) -> float:
+    d, layers, v = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
+    head = d // cfg.num_attention_heads
+    attn = d * head * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) + d * d
+    per_layer = attn + 3 * d * cfg.intermediate_size
+    dense = 6 * (layers * per_layer + d * v)
+    return sum(len(r) * dense + 6 * layers * d * len(r) ** 2 for r in rows)  # causal attention: 2·s²·d fwd
+
+
+def build(cfg, attn: str, device: torch.device) -> torch.nn.Module:
+    from transformers import Qwen2ForCausalLM
+
+    cfg._attn_implementation = attn
+    torch.manual_seed(0)
+    with device:
+        model = Qwen2ForCausalLM(cfg)
+    model.config.use_cache = False
+    mesh = init_device_mesh(device.type, (1,))
+    return shard(model, mesh, bf16=device.type == "cuda")
+
+
+def step(model, optimizer, rows, plan, pad_to, packed_pad, device) -> None:
+    """One optimizer step exactly as SftTrainer.train_step does it (one rank)."""
+    if packed_pad is None:
+        batches = [collate_padded([rows[i] for i in m], 0, pad_to) for m in plan[0]]
+    else:
+        batches = [collate_packed([rows[i] for i in m], 0, packed_pad) for m in plan[0]]
+    n_loss = sum(count_loss_tokens(b) for b in batches)
+    for batch in batches:
+        loss = token_loss_sum(model, {k: v.to(device, non_blocking=True) for k, v in batch.items()})
+        (loss / n_loss).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def measure(name, cfg, attn, rows, make_plan, pad_to, packed_pad, args, device) -> dict:
+    model = build(cfg, attn, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.01)
+    times, tokens, flops = [], [], []
+    for k in range(args.warmup + args.steps):
+        batch_rows = rows[(k * args.batch) % len(rows):][:args.batch]
+        plan = make_plan(list(range(len(batch_rows))), [len(r) for r in batch_rows])
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        step(model, optimizer, batch_rows, plan, pad_to, packed_pad, device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if k >= args.warmup:
+            times.append(time.perf_counter() - start)
+            tokens.append(sum(len(r) for r in batch_rows))
+            flops.append(flops_per_step(batch_rows, cfg))
+    rates = [t / s for t, s in zip(tokens, times)]
+    mfu = [f / s / PEAK_FLOPS for f, s in zip(flops, times)]
+    result = {"metric": "sft_useful_tokens_per_s", "variant": name, "attn": attn, "median": statistics.median(rates),
+              "min": min(rates), "max": max(rates), "unit": "tokens/s", "mfu": statistics.median(mfu),
+              "step_s": statistics.median(times), "steps": args.steps,
+              "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
+    print(json.dumps(result), flush=True)
+    del model, optimizer
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny model on CPU, 2 timed steps")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=16, help="rows per optimizer step (paper: 16)")
+    parser.add_argument("--budgets", type=int, nargs="+", default=[8192, 16384], help="packed token budgets")
+    parser.add_argument("--multiple", type=int, default=2048, help="flex: pad packed rows to a multiple")
+    parser.add_argument("--variants", nargs="+", default=["original", "packed-sdpa", "packed-flex"])
+    args = parser.parse_args()
+    from transformers import Qwen2Config
+
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    max_length, scale = (2048, 1.0) if not args.smoke else (256, 0.1)
+    if args.smoke:
+        args.steps, args.warmup, args.budgets = 2, 1, [512]
+        args.variants = [v for v in args.variants if v != "packed-flex"]
+        cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=True)
+    else:
+        cfg = Qwen2Config(**QWEN25_15B)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="tcp://127.0.0.1:29555",
+                            rank=0, world_size=1)
+    rows = synthetic_rows(args.batch * (args.warmup + args.steps), cfg.vocab_size, max_length, scale)
+    if "original" in args.variants:
+        measure("original: micro 1, padded to max_length", cfg, "sdpa", rows,
+                lambda idx, lens: plan_padded(idx, lens, 1, 1), max_length, None, args, device)
+    for budget in args.budgets:
+        plan = lambda idx, lens, b=budget: plan_packed(idx, lens, 1, b)  # noqa: E731
+        if "packed-sdpa" in args.variants:
+            measure(f"packed {budget} tokens", cfg, "sdpa", rows, plan, None, 0, args, device)
+        if "packed-flex" in args.variants:
+            measure(f"packed {budget} tokens, rows padded to x{args.multiple}", cfg, "flex_attention", rows, plan,
+                    None, args.multiple, args, device)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Stage 2 (world-model SFT, spec §2.4): torchrun over <nproc_per_node> ranks (GPUs with NCCL, or CPU processes
+# with gloo when CUDA is absent), the paper's recipe, extra Hydra overrides last.
+#   bash sft/finetune_ft.sh sokoban 4 sftckpt/checkpoints_2_sokoban-1.5B sftdata/_2_sokoban 1.5B
+#   bash sft/finetune_ft.sh sokoban 1 /tmp/sft-tiny sftdata/tiny tiny trainer.total_epochs=1
+set -euo pipefail
+
+usage() {
+    echo "usage: $0 <env_type> <nproc_per_node> <save_path> <data_path> <model_size: 0.5B|1.5B|3B|tiny> [hydra overrides...]" >&2
+    echo "  <data_path> must hold wm_train.parquet and wm_val.parquet (stage 1 output)" >&2
+    exit 2
+}
+[[ $# -lt 5 ]] && usage
+
+env_type=$1
+nproc_per_node=$2
+save_path=$3
+data_path=$4
+model_size=$5
+shift 5
+
+case "$model_size" in
+    0.5B|1.5B|3B) model="Qwen/Qwen2.5-${model_size}-Instruct" ;;
+    tiny) model=tiny ;;
+    *) echo "error: model size '$model_size' is not one of 0.5B, 1.5B, 3B, tiny" >&2; exit 2 ;;
+esac
+if ! [[ "$nproc_per_node" =~ ^[1-9][0-9]*$ ]]; then
+    echo "error: nproc_per_node must be a positive integer, got '$nproc_per_node'" >&2
+    exit 2
+fi
+for split in train val; do
+    if [[ ! -f "$data_path/wm_$split.parquet" ]]; then
+        echo "error: $data_path/wm_$split.parquet not found: run stage 1 first or fix <data_path>" >&2
+        exit 2
+    fi
+done
+
+python=${PYTHON:-python}
+if "$python" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    if [[ -n "${CUDA_VISIBLE_DEVICES:-}" ]]; then
+        IFS=',' read -ra visible <<< "$CUDA_VISIBLE_DEVICES"
+        n_gpus=${#visible[@]}
+    else
+        n_gpus=$(nvidia-smi --list-gpus | wc -l)
+    fi
+    if (( nproc_per_node > n_gpus )); then
+        echo "error: nproc_per_node=$nproc_per_node but only $n_gpus GPU(s) are visible" >&2
+        exit 2
+    fi
+fi
+
+overrides=(
+    data.train_files="$data_path/wm_train.parquet"
+    data.val_files="$data_path/wm_val.parquet"
+    data.prompt_key=prompt
+    data.response_key=response
+    data.max_length=2048
+    optim.lr=1e-4
+    data.train_batch_size=16
+    data.micro_batch_size_per_gpu=1
+    model.partial_pretrain="$model"
+    trainer.default_local_dir="$save_path"
+    trainer.experiment_name="${env_type}-sft-qwen-2.5-${model_size}-instruct"
+    trainer.logger="['console']"
+    trainer.total_epochs=5
+    trainer.max_ckpt_to_keep=2
+    model.target_modules=all-linear
+    trainer.project_name=spa-sft
+    model.enable_gradient_checkpointing=False
+    "$@"
+)
+# Check the config and data in one process first: a user error prints one line and exits with status 2.
+"$python" -m sft.spa_sft_trainer "${overrides[@]}" trainer.preflight_nproc="$nproc_per_node"
+
+mkdir -p "$save_path"
+"$python" -m torch.distributed.run --standalone --nnodes=1 --nproc_per_node="$nproc_per_node" \
+    -m sft.spa_sft_trainer "${overrides[@]}" 2>&1 | tee "$save_path/train.log"
