@@ -11,7 +11,8 @@ on the last loss-mask column.
 from __future__ import annotations
 
 import copy
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from SPA_agent.ctx_manager import ContextManager
 from SPA_agent.es_manager import EnvStateManager

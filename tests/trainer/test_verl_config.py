@@ -56,7 +56,7 @@ def test_typed_critic_and_rollout_configs_read_our_values(configs):
 
 
 def test_model_paths_resolve_and_verl_loads_the_model_config(configs):
-    cfg, verl_cfg = configs
+    _, verl_cfg = configs
     path = resolve_model_path("tiny")
     assert verl_cfg.actor_rollout_ref.model.path == verl_cfg.critic.model.path == path
     model = omega_conf_to_dataclass(verl_cfg.actor_rollout_ref.model)  # what each worker does in init_model
