@@ -4,7 +4,8 @@
 #   bash train_ppo_sfted.sh <config> <checkpoint path | hub id | tiny> <experiment name> [hydra overrides...]
 # Environment: MODEL (1.5B; 0.5B, 3B, llama1B, tiny: selects CPU-sized settings), RENDER_MODE
 #   (text_with_coordinates), NGPUS (detected), BASE_DIR (runs go to $BASE_DIR/<config>/<experiment>,
-#   default ./checkpoints), TOTAL_STEPS (1000; 2 for tiny).
+#   default ./checkpoints), TOTAL_STEPS (1000; 2 for tiny), ROLLOUT_TP (vLLM tensor parallel size with
+#   more than one GPU; default: all of them).
 set -euo pipefail
 cd "$(dirname "$0")"
 . scripts/common.sh
@@ -23,8 +24,14 @@ TOTAL_STEPS="${TOTAL_STEPS:-$STEPS_DEFAULT}"
 case "$CKPT" in */*|tiny) ;; *) [ -d "$CKPT" ] || die "checkpoint '$CKPT' is not a directory" ;; esac
 if [ -e "$CKPT" ] && [ ! -f "$CKPT/config.json" ]; then die "'$CKPT' is not a Hugging Face model directory (no config.json)"; fi
 
+# One process for CPU or one GPU (local backend); verl's Ray/FSDP workers with tensor-parallel vLLM beyond.
+BACKEND_ARGS=(trainer.backend=local)
+if [ "$NGPUS" -gt 1 ]; then
+    BACKEND_ARGS=(trainer.backend=verl actor_rollout_ref.rollout.tensor_model_parallel_size="${ROLLOUT_TP:-$NGPUS}")
+fi
+
 python -m SPA_agent.trainer.main_ppo --config-name "$CONFIG_NAME" model="$PRESET" \
-    model_path="$CKPT" render_mode="$RENDER_MODE" \
+    model_path="$CKPT" render_mode="$RENDER_MODE" "${BACKEND_ARGS[@]}" \
     trainer.n_gpus_per_node="$(( NGPUS > 0 ? NGPUS : 1 ))" \
     trainer.total_training_steps="$TOTAL_STEPS" trainer.save_freq=100 \
     trainer.experiment_name="$EXPERIMENT_NAME" \
