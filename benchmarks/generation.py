@@ -58,9 +58,11 @@ def build_model(shape: str, device: torch.device, vocab_size: int | None = None)
     return model
 
 
-def random_prompts(batch: int, prompt_len: int, vocab_size: int, seed: int) -> list[Prompt]:
+def random_prompts(batch: int, prompt_len: int, vocab_size: int, seed: int, uniform: bool = False) -> list[Prompt]:
+    """Random ids; lengths uniform in [0.9, 1] × prompt_len, or all prompt_len (no padding) when `uniform`."""
     generator = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(int(0.9 * prompt_len), prompt_len + 1, (batch,), generator=generator)
+    low = prompt_len if uniform else int(0.9 * prompt_len)
+    lengths = torch.randint(low, prompt_len + 1, (batch,), generator=generator)
     return [Prompt(messages=[], prompt_ids=torch.randint(3, vocab_size, (int(n),), generator=generator).tolist())
             for n in lengths]
 
@@ -94,15 +96,44 @@ def measure(model, decoder: str, prompts: list[Prompt], new_tokens: int, repeats
             "capture_s": statistics.median(captures), "repeats": repeats}
 
 
-def check_greedy(model, prompts: list[Prompt], new_tokens: int) -> dict:
-    """Greedy tokens of both decoders on the same prompts: fraction of sequences identical, and of positions
-    before the first difference (bf16 on GPU: kernels differ, so rare near-ties may flip a token)."""
-    outputs = {d: [g.token_ids for g in hf_generator(model, d, len(prompts), new_tokens, 0.0).generate(prompts)]
-               for d in ("generate", "static")}
-    same_prefix = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
-                   for x, y in zip(outputs["generate"], outputs["static"])]
-    return {"sequences_identical": sum(x == y for x, y in zip(*outputs.values())) / len(prompts),
-            "mean_prefix_agreement": sum(same_prefix) / (len(prompts) * new_tokens)}
+def teacher_forced_check(model, prompts: list[Prompt], outputs: list[list[int]]) -> dict:
+    """Re-score prompt + greedy output in one full forward (transformers' own attention, no cache): the fraction
+    of generated tokens that are the argmax there, and the largest logit gap where they are not (near-ties that
+    rounding can flip have gaps near the dtype's resolution)."""
+    from SPA_agent.generators.hf import left_pad
+
+    device = next(model.parameters()).device
+    input_ids, attention_mask = left_pad([p.prompt_ids + o for p, o in zip(prompts, outputs)], PAD_ID, device)
+    longest = max(len(o) for o in outputs)
+    with torch.inference_mode():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                       position_ids=(attention_mask.cumsum(1) - 1).clamp(min=0), logits_to_keep=longest + 1,
+                       past_key_values=None, use_cache=False).logits[:, :-1].float()
+    agree, total, worst_gap = 0, 0, 0.0
+    for row, output in enumerate(outputs):
+        scores = logits[row, longest - len(output):]
+        chosen = torch.tensor(output, device=device)
+        gaps = scores.max(dim=-1).values - scores.gather(1, chosen[:, None]).squeeze(1)
+        agree += int((gaps == 0).sum())
+        total += len(output)
+        worst_gap = max(worst_gap, float(gaps.max()))
+    return {"teacher_forced_agreement": agree / total, "max_gap_where_not_argmax": worst_gap}
+
+
+def check_greedy(model, prompts: list[Prompt], new_tokens: int) -> list[dict]:
+    """Greedy tokens of both decoders, in the model's dtype and in float32: identical sequences between the
+    decoders, and each decoder's agreement with a teacher-forced re-scoring. Random weights give near-uniform
+    logits, so in bf16 near-ties flip often for either decoder; float32 separates numerics from bugs."""
+    results, original = [], next(model.parameters()).dtype
+    for dtype in (original, torch.float32):
+        model = model.to(dtype)
+        outputs = {d: [g.token_ids for g in hf_generator(model, d, len(prompts), new_tokens, 0.0).generate(prompts)]
+                   for d in ("generate", "static")}
+        results.append({"dtype": str(dtype).replace("torch.", ""),
+                        "sequences_identical": sum(x == y for x, y in zip(*outputs.values())) / len(prompts),
+                        **{d: teacher_forced_check(model, prompts, o) for d, o in outputs.items()}})
+    model.to(original)
+    return results
 
 
 def run_generation(args, device: torch.device) -> None:
@@ -110,21 +141,21 @@ def run_generation(args, device: torch.device) -> None:
         model = build_model(shape, device)
         if args.check:
             prompts = random_prompts(16, args.prompt_len, model.config.vocab_size, seed=1)
-            print(json.dumps({"metric": "greedy_agreement", "shape": shape, "batch": 16,
-                              **check_greedy(model, prompts, 64)}), flush=True)
+            for result in check_greedy(model, prompts, 64):
+                print(json.dumps({"metric": "greedy_check", "shape": shape, "batch": 16, **result}), flush=True)
         for batch in args.batches:
-            prompts = random_prompts(batch, args.prompt_len, model.config.vocab_size, seed=batch)
+            prompts = random_prompts(batch, args.prompt_len, model.config.vocab_size, seed=batch, uniform=args.uniform)
             results = {d: measure(model, d, prompts, args.new_tokens,
                                   args.baseline_repeats if d == "generate" else args.repeats)
                        for d in args.decoders}
             for result in results.values():
-                print(json.dumps({"metric": "generation", "shape": shape, "batch": batch,
-                                  "prompt_len": args.prompt_len, "device": device_name(device), **result}),
+                print(json.dumps({"metric": "generation", "shape": shape, "batch": batch, "prompt_len": args.prompt_len,
+                                  "uniform_prompts": args.uniform, "device": device_name(device), **result}),
                       flush=True)
             if {"generate", "static"} <= set(results):
                 ratio = results["static"]["new_tokens_per_s"] / results["generate"]["new_tokens_per_s"]
                 print(json.dumps({"metric": "speedup_static_over_generate", "shape": shape, "batch": batch,
-                                  "value": round(ratio, 2)}), flush=True)
+                                  "uniform_prompts": args.uniform, "value": round(ratio, 2)}), flush=True)
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -173,6 +204,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed calls of the static decoder")
     parser.add_argument("--baseline-repeats", type=int, default=1, help="timed calls of transformers' generate")
     parser.add_argument("--check", action="store_true", help="first compare greedy tokens of both decoders")
+    parser.add_argument("--uniform", action="store_true", help="all prompts exactly --prompt-len (no padding)")
     parser.add_argument("--decoders", nargs="+", default=["generate", "static"], choices=["generate", "static"])
     parser.add_argument("--rollout", action="store_true", help="also time one full data-generation rollout")
     parser.add_argument("--no-generation", action="store_true", help="skip the plain generation measurements")
