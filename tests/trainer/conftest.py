@@ -20,7 +20,18 @@ TINY_PPO = [
     "actor_rollout_ref.rollout.response_length=16",
     "ppo_mini_batch_size=2",
     "trainer.test_freq=2",
+    "actor_rollout_ref.model.enable_gradient_checkpointing=False",
+    "critic.model.enable_gradient_checkpointing=False",
 ]
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """One intra-op thread: on a shared 2-core machine, spinning OpenMP threads made tiny runs 10–20× slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture
