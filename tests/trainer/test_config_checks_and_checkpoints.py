@@ -1,0 +1,78 @@
+"""Config checks of spec §10.1 (messages name the keys) and checkpoint directory handling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from SPA_agent.config import ENTRY_CONFIGS, compose
+from SPA_agent.trainer import checkpoint
+from SPA_agent.trainer.config_checks import check_config
+
+
+@pytest.mark.parametrize("config_name", ENTRY_CONFIGS)
+def test_entry_configs_pass_the_checks(config_name):
+    check_config(compose(config_name))
+    check_config(compose(config_name, ["model=tiny"]))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["micro_batch_size_per_gpu=3"], "must be ≤ and divide"),
+    (["ppo_mini_batch_size=128"], "fewer than actor_rollout_ref.actor.ppo_mini_batch_size"),
+    (["actor_rollout_ref.rollout.rollout_filter_ratio=0.01"], "keeps no group"),
+    (["actor_rollout_ref.rollout.rollout_filter_type=best"], "'max_mean', 'std', 'std_rev'"),
+    (["algorithm.bi_level_gae=True", "agent_proxy.use_turn_scores=True"], "use_turn_scores=False"),
+    (["algorithm.adv_estimator=grpo"], "choose one of ['gae']"),
+    (["actor_rollout_ref.actor.use_ref=False", "actor_rollout_ref.actor.use_kl_loss=True"], "use_ref=True"),
+    (["trainer.n_gpus_per_node=4"], "trainer.n_gpus_per_node=1"),
+    (["trainer.resume_mode=sometimes"], "resume_mode"),
+    (["actor_rollout_ref.actor.loss_agg_mode=mean"], "loss_agg_mode"),
+])
+def test_bad_settings_fail_with_a_message_naming_them(overrides, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        check_config(compose("_2_sokoban", overrides))
+
+
+def _write_models(directory):
+    for role in checkpoint.ROLES:
+        (directory / role).mkdir()
+        (directory / role / "weights").write_text(role)
+
+
+def test_checkpoints_are_renamed_into_place_and_pruned(tmp_path):
+    for step in (1, 2, 3):
+        checkpoint.save_checkpoint(tmp_path, step, _write_models, {"proxy": {"train": {"seed_counter": step}}},
+                                   keep={"actor": 1, "critic": 2})
+    assert checkpoint.latest_step(tmp_path) == 3
+    assert checkpoint.saved_steps(tmp_path) == [2, 3]
+    assert not (tmp_path / "global_step_2" / "actor").exists()
+    assert (tmp_path / "global_step_2" / "critic").exists()
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir() if p.is_dir())
+    state = checkpoint.load_trainer_state(tmp_path, 3)
+    assert state["step"] == 3 and state["proxy"]["train"]["seed_counter"] == 3
+
+
+def test_interrupted_save_leaves_the_previous_checkpoint_latest(tmp_path):
+    checkpoint.save_checkpoint(tmp_path, 1, _write_models, {}, keep={"actor": 1, "critic": 1})
+
+    def crash(directory):
+        (directory / "actor").mkdir()
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save_checkpoint(tmp_path, 2, crash, {}, keep={"actor": 1, "critic": 1})
+    assert checkpoint.latest_step(tmp_path) == 1
+    assert checkpoint.saved_steps(tmp_path) == [1]
+
+
+def test_rng_state_round_trips():
+    state = checkpoint.rng_state()
+    expected = torch.rand(3)
+    checkpoint.set_rng_state(state)
+    torch.testing.assert_close(torch.rand(3), expected)
+
+
+def test_latest_file_pointing_at_a_missing_checkpoint_is_an_error(tmp_path):
+    (tmp_path / checkpoint.LATEST_FILE).write_text("7\n")
+    with pytest.raises(FileNotFoundError, match="resume_mode=disable"):
+        checkpoint.latest_step(tmp_path)
