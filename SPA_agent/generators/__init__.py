@@ -1,12 +1,13 @@
 """Text generators behind one interface (docs/interfaces.md "Generators"): `hf`, `vllm`, `api`, `random`.
 
-`build_generator(cfg.generator, cfg.model_path, tokenizer)` picks the backend named by `cfg.name`; backends with
-optional packages (vllm, openai) import them only when chosen.
+`build_generator(cfg.generator, cfg.model_path, tokenizer)` picks the backend named by `cfg.name`; backends
+with optional packages (vllm, openai) import them only when chosen.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from SPA_agent.generators.base import (
     FINISH_ERROR,
@@ -54,8 +55,8 @@ BUILDERS: dict[str, Callable[..., Generator]] = {
 def build_generator(cfg: Mapping[str, Any], model_path: str, tokenizer, model=None) -> Generator:
     """The generator named by `cfg.name` (the `generator` config group).
 
-    `model` (hf only) is an already-loaded causal LM, e.g. the PPO actor, so generation uses its current weights;
-    otherwise `model_path` is loaded (`tiny` = the embedded test model).
+    `model` (hf only) is an already-loaded causal LM, e.g. the PPO actor, so generation uses its current
+    weights; otherwise `model_path` is loaded (`tiny` = the embedded test model).
     """
     name = cfg.get("name")
     if name not in BUILDERS:
@@ -64,6 +65,12 @@ def build_generator(cfg: Mapping[str, Any], model_path: str, tokenizer, model=No
 
 
 __all__ = [
-    "FINISH_ERROR", "FINISH_LENGTH", "FINISH_STOP", "Generation", "Generator", "Prompt", "SamplingParams",
+    "FINISH_ERROR",
+    "FINISH_LENGTH",
+    "FINISH_STOP",
+    "Generation",
+    "Generator",
+    "Prompt",
+    "SamplingParams",
     "build_generator",
 ]

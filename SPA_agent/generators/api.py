@@ -1,18 +1,19 @@
 """Any OpenAI-compatible chat endpoint (OpenAI, DeepSeek, Together, a local `vllm serve`, ...; spec §7.3).
 
 Each prompt's `messages` are sent as one chat-completions request. A remote model cannot be forced to open its
-turn with `Prompt.response_prefix`, so the prefix is not sent; the returned text is used as the continuation after
-the prefix (a leading copy of the prefix in the reply is removed, so the context manager's parser, which prepends
-the prefix, sees it once). Requests run in a thread pool of `max_concurrency`; failed requests are retried with
-exponential backoff. Needs `pip install 'spa-agent[api]'`.
+turn with `Prompt.response_prefix`, so the prefix is not sent; the returned text is used as the continuation
+after the prefix (a leading copy of the prefix in the reply is removed, so the context manager's parser, which
+prepends the prefix, sees it once). Requests run in a thread pool of `max_concurrency`; failed requests are
+retried with exponential backoff. Needs `pip install 'spa-agent[api]'`.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from typing import Any, Mapping
+from typing import Any
 
 from SPA_agent.generators.base import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Generation, Prompt
 
@@ -37,20 +38,35 @@ def read_api_key(api_key_env: str | None, environ: Mapping[str, str]) -> str:
         return NO_KEY
     key = environ.get(api_key_env)
     if not key:
-        raise ValueError(f"environment variable {api_key_env} (generator.api_key_env) is not set: export the API key "
-                         "there, or set generator.api_key_env=null for a server without authentication")
+        raise ValueError(
+            f"environment variable {api_key_env} (generator.api_key_env) is not set: export the API key "
+            "there, or set generator.api_key_env=null for a server without authentication"
+        )
     return key
 
 
 class APIGenerator:
     """Chat completions from an OpenAI-compatible server; text only (`token_ids` is None)."""
 
-    def __init__(self, base_url: str, model: str, api_key: str, temperature: float = 1.0, top_p: float = 1.0,
-                 max_new_tokens: int = 400, max_concurrency: int = 16, max_retries: int = 5, timeout_s: float = 60,
-                 backoff_s: float = 1.0, max_backoff_s: float = 30.0):
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        api_key: str,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_new_tokens: int = 400,
+        max_concurrency: int = 16,
+        max_retries: int = 5,
+        timeout_s: float = 60,
+        backoff_s: float = 1.0,
+        max_backoff_s: float = 30.0,
+    ):
         if max_concurrency < 1 or max_retries < 0 or timeout_s <= 0:
-            raise ValueError("generator.max_concurrency must be >= 1, max_retries >= 0 and timeout_s > 0; got "
-                             f"{max_concurrency}, {max_retries}, {timeout_s}")
+            raise ValueError(
+                "generator.max_concurrency must be >= 1, max_retries >= 0 and timeout_s > 0; got "
+                f"{max_concurrency}, {max_retries}, {timeout_s}"
+            )
         openai = _import_openai()
         self.base_url, self.model = base_url, model
         self.sampling = dict(temperature=temperature, top_p=top_p, max_tokens=max_new_tokens)
@@ -60,15 +76,22 @@ class APIGenerator:
         self._client = openai.OpenAI(api_key=api_key, base_url=base_url, timeout=timeout_s, max_retries=0)
 
     @classmethod
-    def from_config(cls, cfg: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> "APIGenerator":
+    def from_config(cls, cfg: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> APIGenerator:
         """Build from the `generator` config; the key is read from the variable named by `api_key_env`."""
         api_key = read_api_key(cfg.get("api_key_env"), os.environ if environ is None else environ)
         return cls(
-            base_url=str(cfg["base_url"]), model=str(cfg["model"]), api_key=api_key,
-            temperature=float(cfg.get("temperature", 1.0)), top_p=float(cfg.get("top_p", 1.0)),
-            max_new_tokens=int(cfg.get("max_new_tokens", 400)), max_concurrency=int(cfg.get("max_concurrency", 16)),
-            max_retries=int(cfg.get("max_retries", 5)), timeout_s=float(cfg.get("timeout_s", 60)),
-            backoff_s=float(cfg.get("backoff_s", 1.0)), max_backoff_s=float(cfg.get("max_backoff_s", 30.0)))
+            base_url=str(cfg["base_url"]),
+            model=str(cfg["model"]),
+            api_key=api_key,
+            temperature=float(cfg.get("temperature", 1.0)),
+            top_p=float(cfg.get("top_p", 1.0)),
+            max_new_tokens=int(cfg.get("max_new_tokens", 400)),
+            max_concurrency=int(cfg.get("max_concurrency", 16)),
+            max_retries=int(cfg.get("max_retries", 5)),
+            timeout_s=float(cfg.get("timeout_s", 60)),
+            backoff_s=float(cfg.get("backoff_s", 1.0)),
+            max_backoff_s=float(cfg.get("max_backoff_s", 30.0)),
+        )
 
     def __repr__(self) -> str:  # never shows the key
         return f"APIGenerator(base_url={self.base_url!r}, model={self.model!r}, sampling={self.sampling})"
@@ -96,11 +119,14 @@ class APIGenerator:
         for attempt in range(self.max_retries + 1):
             try:
                 response = self._client.chat.completions.create(
-                    model=self.model, messages=prompt.messages, **self.sampling)
+                    model=self.model, messages=prompt.messages, **self.sampling
+                )
                 return self._to_generation(response.choices[0], prompt.response_prefix)
             except (self._errors.AuthenticationError, self._errors.PermissionDeniedError) as err:
-                raise APIGenerationError(f"{self.base_url} refused the API key ({err.status_code}): check the "
-                                         "variable named by generator.api_key_env") from None
+                raise APIGenerationError(
+                    f"{self.base_url} refused the API key ({err.status_code}): check the "
+                    "variable named by generator.api_key_env"
+                ) from None
             except self._errors.APIError as err:
                 if attempt == self.max_retries or not self._retryable(err):
                     raise APIGenerationError(self._describe(err, attempt + 1)) from None
@@ -121,12 +147,14 @@ class APIGenerator:
             cause = "cannot be reached (is the server running and generator.base_url right?)"
         else:
             cause = f"answered {getattr(err, 'status_code', '?')}: {getattr(err, 'message', err)}"
-        return f"API endpoint {self.base_url} (model {self.model}) {cause}; gave up after {attempts} attempt(s)"
+        return (
+            f"API endpoint {self.base_url} (model {self.model}) {cause}; gave up after {attempts} attempt(s)"
+        )
 
     @staticmethod
     def _to_generation(choice, response_prefix: str) -> Generation:
         text = choice.message.content or ""
         if response_prefix and text.lstrip().startswith(response_prefix):
-            text = text.lstrip()[len(response_prefix):]
+            text = text.lstrip()[len(response_prefix) :]
         finish_reason = FINISH_LENGTH if choice.finish_reason == "length" else FINISH_STOP
         return Generation(text=text, token_ids=None, finish_reason=finish_reason)

@@ -1,4 +1,5 @@
-"""The generator protocol: batched chat prompts in; text, sampled token ids and finish reason out (spec §7.2–§7.4).
+"""The generator protocol: batched chat prompts in; text, sampled token ids and finish reason out (spec
+§7.2–§7.4).
 
 Every backend (`hf`, `vllm`, `api`, `random`) implements `Generator.generate`. Generators know nothing of
 environments: a `Prompt` carries everything they need, already rendered by the context manager.
@@ -6,8 +7,9 @@ environments: a `Prompt` carries everything they need, already rendered by the c
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 FINISH_STOP = "stop"  # the model ended its turn (an end-of-turn token was sampled)
 FINISH_LENGTH = "length"  # max_new_tokens reached before the end of the turn
@@ -75,7 +77,7 @@ class SamplingParams:
         return self.temperature == 0
 
     @classmethod
-    def from_config(cls, cfg: Mapping[str, Any]) -> "SamplingParams":
+    def from_config(cls, cfg: Mapping[str, Any]) -> SamplingParams:
         """Read temperature, top_p, top_k, max_new_tokens and seed from a generator config (missing keys keep
         their defaults)."""
         keys = ("temperature", "top_p", "top_k", "max_new_tokens", "seed")
@@ -85,8 +87,8 @@ class SamplingParams:
 
 
 def call_seed(seed: int, call_index: int) -> int:
-    """Seed of the `call_index`-th generate call of a generator seeded with `seed`: a fresh generator replays the
-    same calls with the same random streams, while consecutive calls get independent streams."""
+    """Seed of the `call_index`-th generate call of a generator seeded with `seed`: a fresh generator replays
+    the same calls with the same random streams, while consecutive calls get independent streams."""
     import numpy as np
 
     return int(np.random.SeedSequence([seed, call_index]).generate_state(1)[0])
@@ -101,5 +103,7 @@ def stop_token_ids(tokenizer, *configs) -> list[int]:
         if eos is not None:
             ids.update([eos] if isinstance(eos, int) else eos)
     if not ids:
-        raise ValueError("neither the model nor the tokenizer defines an eos token: cannot detect the end of a turn")
+        raise ValueError(
+            "neither the model nor the tokenizer defines an eos token: cannot detect the end of a turn"
+        )
     return sorted(ids)

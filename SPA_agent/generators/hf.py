@@ -1,10 +1,10 @@
 """Local generation with transformers (spec §7.2 sampling, on any device).
 
-Prompts arrive as token ids (`Prompt.prompt_ids`, forced response prefix included), are sorted by length, split into
-chunks of `batch_size`, left padded with the tokenizer's pad id and continued until each sequence emits an
-end-of-turn token (the ids listed as eos in the model's generation config and the tokenizer) or reaches
-`max_new_tokens`. Two decoders implement the same sampling (temperature → top-k → top-p → multinomial; greedy at
-temperature 0):
+Prompts arrive as token ids (`Prompt.prompt_ids`, forced response prefix included), are sorted by length,
+split into chunks of `batch_size`, left padded with the tokenizer's pad id and continued until each sequence
+emits an end-of-turn token (the ids listed as eos in the model's generation config and the tokenizer) or
+reaches `max_new_tokens`. Two decoders implement the same sampling (temperature → top-k → top-p → multinomial;
+greedy at temperature 0):
 
 - `generate`: transformers' `model.generate` (the CPU default);
 - `static`: our decode loop over the model's forward with a static KV cache, captured in CUDA graphs on GPU
@@ -14,12 +14,20 @@ temperature 0):
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 
 from SPA_agent.generators.base import (
-    FINISH_LENGTH, FINISH_STOP, Generation, Prompt, SamplingParams, call_seed, stop_token_ids)
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Generation,
+    Prompt,
+    SamplingParams,
+    call_seed,
+    stop_token_ids,
+)
 
 DECODERS = ("auto", "generate", "static")
 
@@ -35,15 +43,16 @@ def pad_token_id(tokenizer, stop_ids: list[int]) -> int:
 
 
 def left_pad(batch: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask), both (B, P) with P the longest prompt; padding on the left, mask 0 there."""
+    """(input_ids, attention_mask), both (B, P) with P the longest prompt; padding on the left, mask 0
+    there."""
     if any(len(ids) == 0 for ids in batch):
         raise ValueError("a prompt has no token ids: Prompt.prompt_ids must hold the rendered chat")
     width = max(len(ids) for ids in batch)
     input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
     for row, ids in enumerate(batch):
-        input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
-        attention_mask[row, width - len(ids):] = 1
+        input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[row, width - len(ids) :] = 1
     return input_ids.to(device), attention_mask.to(device)
 
 
@@ -56,13 +65,15 @@ def cut_at_stop(ids: list[int], stop_ids: set[int]) -> tuple[list[int], str]:
 
 
 def load_model(model_path: str, dtype: str = "bfloat16", device: str = "auto"):
-    """AutoModelForCausalLM in eval mode: `dtype` on GPU, float32 on CPU (`model_path=tiny` is the embedded model)."""
+    """AutoModelForCausalLM in eval mode: `dtype` on GPU, float32 on CPU (`model_path=tiny` is the embedded
+    model)."""
     from transformers import AutoModelForCausalLM
 
     from SPA_agent.tiny import resolve_model_path
 
-    target = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if device == "auto" else device))
+    target = torch.device(
+        "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
+    )
     torch_dtype = getattr(torch, dtype) if target.type == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(model_path), dtype=torch_dtype)
     return model.to(target).eval()
@@ -81,10 +92,19 @@ def eval_mode(model) -> Iterator[None]:
 
 
 class HFGenerator:
-    """Batched generation with a transformers causal LM (a preloaded model such as the PPO actor, or loaded)."""
+    """Batched generation with a transformers causal LM (a preloaded model such as the PPO actor, or
+    loaded)."""
 
-    def __init__(self, model, tokenizer, sampling: SamplingParams, batch_size: int = 64, decoder: str = "auto",
-                 cuda_graphs: bool = True, progress: bool = True):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        sampling: SamplingParams,
+        batch_size: int = 64,
+        decoder: str = "auto",
+        cuda_graphs: bool = True,
+        progress: bool = True,
+    ):
         if batch_size < 1:
             raise ValueError(f"generator.batch_size must be >= 1, got {batch_size}")
         if decoder not in DECODERS:
@@ -100,12 +120,18 @@ class HFGenerator:
         self._calls = 0
 
     @classmethod
-    def from_config(cls, cfg: Mapping[str, Any], model_path: str, tokenizer, model=None) -> "HFGenerator":
+    def from_config(cls, cfg: Mapping[str, Any], model_path: str, tokenizer, model=None) -> HFGenerator:
         if model is None:
             model = load_model(model_path, str(cfg.get("dtype", "bfloat16")), str(cfg.get("device", "auto")))
-        return cls(model, tokenizer, SamplingParams.from_config(cfg), batch_size=int(cfg.get("batch_size", 64)),
-                   decoder=str(cfg.get("decoder", "auto")), cuda_graphs=bool(cfg.get("cuda_graphs", True)),
-                   progress=bool(cfg.get("progress", True)))
+        return cls(
+            model,
+            tokenizer,
+            SamplingParams.from_config(cfg),
+            batch_size=int(cfg.get("batch_size", 64)),
+            decoder=str(cfg.get("decoder", "auto")),
+            cuda_graphs=bool(cfg.get("cuda_graphs", True)),
+            progress=bool(cfg.get("progress", True)),
+        )
 
     @property
     def device(self) -> torch.device:
@@ -116,12 +142,14 @@ class HFGenerator:
         from tqdm.auto import tqdm
 
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i].prompt_ids))
-        chunks = [order[start:start + self.batch_size] for start in range(0, len(order), self.batch_size)]
+        chunks = [order[start : start + self.batch_size] for start in range(0, len(order), self.batch_size)]
         generator = torch.Generator(self.device).manual_seed(call_seed(self.sampling.seed, self._calls))
         self._calls += 1
         results: list[Generation | None] = [None] * len(prompts)
         with eval_mode(self.model):
-            for chunk in tqdm(chunks, desc="generate", leave=False, disable=not self.progress or len(chunks) < 2):
+            for chunk in tqdm(
+                chunks, desc="generate", leave=False, disable=not self.progress or len(chunks) < 2
+            ):
                 sampled = self._generate_chunk([prompts[i].prompt_ids for i in chunk], generator)
                 for index, ids in zip(chunk, sampled):
                     results[index] = self._to_generation(ids)
@@ -137,19 +165,25 @@ class HFGenerator:
         if self._static is None:
             from SPA_agent.generators.static_decode import StaticDecoder
 
-            self._static = StaticDecoder(self.model, self.stop_ids, self.pad_id, use_cuda_graphs=self.cuda_graphs)
+            self._static = StaticDecoder(
+                self.model, self.stop_ids, self.pad_id, use_cuda_graphs=self.cuda_graphs
+            )
         return self._static.generate(input_ids, attention_mask, self.sampling, generator).tolist()
 
-    def _with_generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                       generator: torch.Generator) -> list[list[int]]:
+    def _with_generate(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, generator: torch.Generator
+    ) -> list[list[int]]:
         """transformers' generate; its sampling draws from the global RNG, seeded here from `generator`."""
         seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device).item())
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
-            output = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
-                                         generation_config=self._generation_config())
-        return output[:, input_ids.shape[1]:].tolist()
+            output = self.model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                generation_config=self._generation_config(),
+            )
+        return output[:, input_ids.shape[1] :].tolist()
 
     def _generation_config(self):
         """Only our sampling parameters: every processor a checkpoint's generation config could switch on
@@ -157,12 +191,25 @@ class HFGenerator:
         from transformers import GenerationConfig
 
         params = self.sampling
-        sampling = {} if params.greedy else dict(
-            temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0))
+        sampling = (
+            {}
+            if params.greedy
+            else dict(temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0))
+        )
         return GenerationConfig(
-            do_sample=not params.greedy, max_new_tokens=params.max_new_tokens, eos_token_id=self.stop_ids,
-            pad_token_id=self.pad_id, num_beams=1, repetition_penalty=1.0, no_repeat_ngram_size=0,
-            typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, min_length=0, **sampling)
+            do_sample=not params.greedy,
+            max_new_tokens=params.max_new_tokens,
+            eos_token_id=self.stop_ids,
+            pad_token_id=self.pad_id,
+            num_beams=1,
+            repetition_penalty=1.0,
+            no_repeat_ngram_size=0,
+            typical_p=1.0,
+            epsilon_cutoff=0.0,
+            eta_cutoff=0.0,
+            min_length=0,
+            **sampling,
+        )
 
     def _to_generation(self, ids: list[int]) -> Generation:
         token_ids, finish_reason = cut_at_stop(ids, set(self.stop_ids))

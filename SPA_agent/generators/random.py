@@ -1,15 +1,16 @@
 """Well-formed responses with uniformly random actions: the paper's random-action data ablation (spec §7.4).
 
-In world-model mode the `<observation>` / `<prediction>` contents are copied from the last assistant message of
-the chat (empty on the first turn), as the original `RandomActionWrapperWg` does; the context manager's parser
-then reads a well-formed response whose actions are uniform over the env's action space.
+In world-model mode the `<observation>` / `<prediction>` contents are copied from the last assistant message
+of the chat (empty on the first turn), as the original `RandomActionWrapperWg` does; the context manager's
+parser then reads a well-formed response whose actions are uniform over the env's action space.
 """
 
 from __future__ import annotations
 
 import random as _random
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from SPA_agent.generators.base import FINISH_STOP, Generation, Prompt
 
@@ -44,7 +45,7 @@ class RandomGenerator:
         self._rng = _random.Random(seed)
 
     @classmethod
-    def from_config(cls, cfg: Mapping[str, Any]) -> "RandomGenerator":
+    def from_config(cls, cfg: Mapping[str, Any]) -> RandomGenerator:
         return cls(
             num_actions=int(cfg.get("num_actions", 3)),
             seed=int(cfg.get("seed", 0)),
@@ -56,7 +57,9 @@ class RandomGenerator:
 
     def _respond(self, prompt: Prompt) -> str:
         if not prompt.action_space:
-            raise ValueError("the random generator needs Prompt.action_space (the env's action names); got none")
+            raise ValueError(
+                "the random generator needs Prompt.action_space (the env's action names); got none"
+            )
         answer = ACTION_SEPARATOR.join(self._rng.choice(prompt.action_space) for _ in range(self.num_actions))
         if prompt.response_prefix.strip() == "<answer>":
             return f"{answer}</answer>"

@@ -1,28 +1,29 @@
 """A compact decode loop over a transformers causal LM's own forward: static KV cache, CUDA graphs (issue 9).
 
-Why not `model.generate`: with left padding, transformers' SDPA attention receives a mask and then copies every
-key/value head `num_attention_heads / num_key_value_heads` times per layer and step (`repeat_kv`), which dominates
-decoding time for GQA models at large batch. Here:
+Why not `model.generate`: with left padding, transformers' SDPA attention receives a mask and then copies
+every key/value head `num_attention_heads / num_key_value_heads` times per layer and step (`repeat_kv`), which
+dominates decoding time for GQA models at large batch. Here:
 
 - prefill runs the prompt once (the model's forward, SDPA attention) and writes keys/values into preallocated
   buffers (B, H_kv, L, D), L = padded prompt width + max_new_tokens;
-- each decode step feeds one token per sequence; attention treats the G = H / H_kv query heads that share a key/value
-  head as G query rows of one SDPA call, so keys and values are read once and never copied;
-- on GPU the decode step (forward + mask update) is captured once per (B, L) in a CUDA graph and replayed, which
-  removes the per-kernel launch overhead of a 28-layer model;
-- sampling (temperature → top-k → top-p → multinomial, as transformers orders its warpers; argmax at temperature 0)
-  runs outside the graph with an explicit `torch.Generator`; finished sequences keep decoding padding and the loop
-  stops when all have finished (checked every `CHECK_EVERY` steps to avoid a device sync per token).
+- each decode step feeds one token per sequence; attention treats the G = H / H_kv query heads that share a
+  key/value head as G query rows of one SDPA call, so keys and values are read once and never copied;
+- on GPU the decode step (forward + mask update) is captured once per (B, L) in a CUDA graph and replayed,
+  which removes the per-kernel launch overhead of a 28-layer model;
+- sampling (temperature → top-k → top-p → multinomial, as transformers orders its warpers; argmax at
+  temperature 0) runs outside the graph with an explicit `torch.Generator`; finished sequences keep decoding
+  padding and the loop stops when all have finished (checked every `CHECK_EVERY` steps to avoid a device sync
+  per token).
 
-Supports decoder-only models whose attention layers call `past_key_values.update(key, value, layer_idx)` and dispatch
-through transformers' attention interface (Llama, Qwen2, Mistral, ...); not sliding-window layers.
+Supports decoder-only models whose attention layers call `past_key_values.update(key, value, layer_idx)` and
+dispatch through transformers' attention interface (Llama, Qwen2, Mistral, ...); not sliding-window layers.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -30,23 +31,26 @@ import torch.nn.functional as F
 from SPA_agent.generators.base import SamplingParams
 
 ATTENTION_NAME = "spa_grouped_sdpa"
-PROMPT_BUCKET = 64  # on GPU, prompt widths and cache lengths are multiples of this: similar chunks share a graph
+# On GPU, prompt widths and cache lengths are multiples of this, so chunks of similar length share a graph.
+PROMPT_BUCKET = 64
 CHECK_EVERY = 16  # decode steps between checks whether every sequence has finished
 
 
 def grouped_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """Attention for the static decoder, registered in transformers' AttentionInterface.
 
-    Decode (one query token): query (B, H, 1, D), key/value (B, H_kv, L, D), attention_mask (B, 1, 1, L) bool. The
-    G = H / H_kv query heads of each key/value head become G query rows: one SDPA call over (B, H_kv, G, D) reads
-    every key and value once. Prefill (several query tokens) uses transformers' SDPA attention.
+    Decode (one query token): query (B, H, 1, D), key/value (B, H_kv, L, D), attention_mask (B, 1, 1, L) bool.
+    The G = H / H_kv query heads of each key/value head become G query rows: one SDPA call over (B, H_kv, G,
+    D) reads every key and value once. Prefill (several query tokens) uses transformers' SDPA attention.
     Returns (B, q, H, D) and no attention weights, as transformers' attention functions do.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     batch, heads, q_len, head_dim = query.shape
     if q_len > 1:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling
+        )
     kv_heads = key.shape[1]
     grouped = query.view(batch, kv_heads, heads // kv_heads, head_dim)
     output = F.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask, scale=scaling)
@@ -83,12 +87,12 @@ class StaticKVCache(_cache_base()):
 
     Implements the part of transformers' Cache API that attention layers use (`update`); it subclasses `Cache`
     only so that type checks in model code accept it, and initialises none of its dynamic state.
-    While `prefilling`, the prompt's keys/values go to positions [0, P) and are returned as they are; a decode step
-    writes position `write_index` (a (1,) tensor, updated in place between CUDA-graph replays) and returns the
-    buffers.
+    While `prefilling`, the prompt's keys/values go to positions [0, P) and are returned as they are; a decode
+    step writes position `write_index` (a (1,) tensor, updated in place between CUDA-graph replays) and
+    returns the buffers.
     """
 
-    def __init__(self, max_len: int, write_index: torch.Tensor):  # noqa: D107 (no Cache.__init__: see above)
+    def __init__(self, max_len: int, write_index: torch.Tensor):
         self.max_len, self.write_index = max_len, write_index
         self.prefilling = False
         self.keys: list[torch.Tensor] = []
@@ -154,9 +158,14 @@ class _DecodeState:
     def forward_step(self) -> torch.Tensor:
         """One decode step on the buffers: (B, V) float32 logits of the next token."""
         self.attend.index_fill_(1, self.write_index, True)
-        output = self.model(input_ids=self.input_ids, position_ids=self.position_ids,
-                            attention_mask=self.attend[:, None, None, :], past_key_values=self.cache,
-                            use_cache=True, logits_to_keep=1)
+        output = self.model(
+            input_ids=self.input_ids,
+            position_ids=self.position_ids,
+            attention_mask=self.attend[:, None, None, :],
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         return output.logits[:, -1].float()
 
     def step(self) -> torch.Tensor:
@@ -166,8 +175,8 @@ class _DecodeState:
         return self.logits
 
     def capture(self) -> None:
-        """On GPU, record one decode step in a CUDA graph (once per state). Runs before the prefill, which resets
-        the mask and cache positions that warm-up and capture wrote to."""
+        """On GPU, record one decode step in a CUDA graph (once per state). Runs before the prefill, which
+        resets the mask and cache positions that warm-up and capture wrote to."""
         if not self._use_cuda_graph or self.graph is not None:
             return
         start = time.perf_counter()
@@ -191,7 +200,9 @@ class StaticDecoder:
     def __init__(self, model, stop_ids: list[int], pad_id: int, use_cuda_graphs: bool = True):
         layer_types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
         if layer_types != {"full_attention"} or getattr(model.config, "use_sliding_window", False):
-            raise ValueError("the static decoder supports full-attention models only; set generator.decoder=generate")
+            raise ValueError(
+                "the static decoder supports full-attention models only; set generator.decoder=generate"
+            )
         self.model, self.pad_id = model, pad_id
         self.device = next(model.parameters()).device
         self.stop_ids = torch.tensor(stop_ids, device=self.device)
@@ -203,10 +214,15 @@ class StaticDecoder:
         """Free the KV buffers and the CUDA graph (they are rebuilt on the next call)."""
         self._state = None
 
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams,
-                 generator: torch.Generator) -> torch.Tensor:
-        """Sampled ids (B, max_new_tokens) for left-padded prompts (B, P); after a sequence's end-of-turn token
-        its row holds `pad_id`."""
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> torch.Tensor:
+        """Sampled ids (B, max_new_tokens) for left-padded prompts (B, P); after a sequence's end-of-turn
+        token its row holds `pad_id`."""
         input_ids, attention_mask = self._bucket(input_ids, attention_mask)
         batch, width = input_ids.shape
         max_len = width + params.max_new_tokens
@@ -232,34 +248,55 @@ class StaticDecoder:
             self._state = _DecodeState(self.model, batch, max_len, self.use_cuda_graphs)
         return self._state
 
-    def _prefill(self, state: _DecodeState, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Run the prompts (B, P), fill the cache, reset the decode mask; (B, V) logits of the first new token."""
+    def _prefill(
+        self, state: _DecodeState, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Run the prompts (B, P), fill the cache, reset the decode mask; (B, V) logits of the first new
+        token."""
         width = input_ids.shape[1]
         keys = attention_mask.bool()
         causal = torch.ones((width, width), dtype=torch.bool, device=self.device).tril()
-        mask = (causal[None] & keys[:, None, :]) | torch.eye(width, dtype=torch.bool, device=self.device)[None]
+        mask = (causal[None] & keys[:, None, :]) | torch.eye(width, dtype=torch.bool, device=self.device)[
+            None
+        ]
         position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
         state.cache.prefilling = True
         try:
-            output = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask[:, None],
-                                past_key_values=state.cache, use_cache=True, logits_to_keep=1)
+            output = self.model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                attention_mask=mask[:, None],
+                past_key_values=state.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
         finally:
             state.cache.prefilling = False
         state.attend.zero_()
         state.attend[:, :width] = keys
         return output.logits[:, -1].float()
 
-    def _decode(self, state: _DecodeState, logits: torch.Tensor, prompt_lengths: torch.Tensor, width: int,
-                params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
+    def _decode(
+        self,
+        state: _DecodeState,
+        logits: torch.Tensor,
+        prompt_lengths: torch.Tensor,
+        width: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> torch.Tensor:
         """Sample, feed back, repeat; (B, max_new_tokens) ids with `pad_id` after each end of turn."""
-        tokens = torch.full((logits.shape[0], params.max_new_tokens), self.pad_id, dtype=torch.long,
-                            device=self.device)
+        tokens = torch.full(
+            (logits.shape[0], params.max_new_tokens), self.pad_id, dtype=torch.long, device=self.device
+        )
         done = torch.zeros(logits.shape[0], dtype=torch.bool, device=self.device)
         for step in range(params.max_new_tokens):
             next_tokens = sample(logits, params, generator).masked_fill(done, self.pad_id)
             tokens[:, step] = next_tokens
             done |= torch.isin(next_tokens, self.stop_ids)
-            if step == params.max_new_tokens - 1 or (step % CHECK_EVERY == CHECK_EVERY - 1 and bool(done.all())):
+            if step == params.max_new_tokens - 1 or (
+                step % CHECK_EVERY == CHECK_EVERY - 1 and bool(done.all())
+            ):
                 break
             state.input_ids.copy_(next_tokens[:, None])
             state.position_ids.copy_((prompt_lengths + step)[:, None])

@@ -1,21 +1,38 @@
 """vLLM's offline engine (spec §7.2), for fast generation on GPUs. Needs `pip install 'spa-agent[gpu]'`.
 
-Prompts go in as token ids (`vllm.inputs.TokensPrompt`), so the forced response prefix and the chat template are
-exactly those the context manager rendered (the original decoded its padded ids back to text first). Written
-against the vLLM 0.24 API (`LLM.generate`, `SamplingParams`, `LLM.collective_rpc`).
+Prompts go in as token ids (`vllm.inputs.TokensPrompt`), so the forced response prefix and the chat template
+are exactly those the context manager rendered (the original decoded its padded ids back to text first).
+Written against the vLLM 0.24 API (`LLM.generate`, `SamplingParams`, `LLM.collective_rpc`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 
-from SPA_agent.generators.base import FINISH_LENGTH, FINISH_STOP, Generation, Prompt, SamplingParams, stop_token_ids
+from SPA_agent.generators.base import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Generation,
+    Prompt,
+    SamplingParams,
+    stop_token_ids,
+)
 
 INSTALL_HINT = "the vllm generator needs vLLM: pip install 'spa-agent[gpu]' (or choose generator=hf)"
-ENGINE_KEYS = ("dtype", "tensor_parallel_size", "gpu_memory_utilization", "max_model_len", "max_num_batched_tokens",
-               "enforce_eager", "enable_prefix_caching", "enable_sleep_mode", "seed")
+ENGINE_KEYS = (
+    "dtype",
+    "tensor_parallel_size",
+    "gpu_memory_utilization",
+    "max_model_len",
+    "max_num_batched_tokens",
+    "enforce_eager",
+    "enable_prefix_caching",
+    "enable_sleep_mode",
+    "seed",
+)
 
 
 def import_vllm():
@@ -46,7 +63,7 @@ class VLLMGenerator:
         self._vllm = import_vllm()
 
     @classmethod
-    def from_config(cls, cfg: Mapping[str, Any], model_path: str, tokenizer) -> "VLLMGenerator":
+    def from_config(cls, cfg: Mapping[str, Any], model_path: str, tokenizer) -> VLLMGenerator:
         """Start the engine on `model_path` with the engine keys of the `generator` config (spec §7.2)."""
         from SPA_agent.tiny import resolve_model_path
 
@@ -54,15 +71,26 @@ class VLLMGenerator:
         path = resolve_model_path(model_path)
         engine_args = {key: cfg[key] for key in ENGINE_KEYS if cfg.get(key) is not None}
         llm = vllm.LLM(model=path, tokenizer=path, disable_log_stats=True, **engine_args)
-        return cls(llm, SamplingParams.from_config(cfg), model_stop_ids(path, tokenizer),
-                   progress=bool(cfg.get("progress", True)))
+        return cls(
+            llm,
+            SamplingParams.from_config(cfg),
+            model_stop_ids(path, tokenizer),
+            progress=bool(cfg.get("progress", True)),
+        )
 
     def sampling_params(self):
-        """vLLM SamplingParams equivalent to ours; the engine's seed (config `seed`) makes runs reproducible."""
+        """vLLM SamplingParams equivalent to ours; the engine's seed (config `seed`) makes runs
+        reproducible."""
         params = self.sampling
         return self._vllm.SamplingParams(
-            n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-            max_tokens=params.max_new_tokens, stop_token_ids=self.stop_ids, skip_special_tokens=True)
+            n=1,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            max_tokens=params.max_new_tokens,
+            stop_token_ids=self.stop_ids,
+            skip_special_tokens=True,
+        )
 
     def generate(self, prompts: list[Prompt]) -> list[Generation]:
         from vllm.inputs import TokensPrompt
@@ -74,18 +102,21 @@ class VLLMGenerator:
     def _to_generation(self, completion) -> Generation:
         token_ids = list(completion.token_ids)
         stopped = bool(token_ids) and token_ids[-1] in self.stop_ids
-        return Generation(text=completion.text, token_ids=token_ids,
-                          finish_reason=FINISH_STOP if stopped else FINISH_LENGTH)
+        return Generation(
+            text=completion.text, token_ids=token_ids, finish_reason=FINISH_STOP if stopped else FINISH_LENGTH
+        )
 
     def update_weights(self, named_params: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load new weights (e.g. the PPO actor's `named_parameters()`) into every engine worker, then drop the
-        prefix cache, whose keys and values were computed with the old weights.
+        """Load new weights (e.g. the PPO actor's `named_parameters()`) into every engine worker, then drop
+        the prefix cache, whose keys and values were computed with the old weights.
 
-        Best effort: the (name, tensor) pairs go to each worker's `reload_weights` through `LLM.collective_rpc`,
-        copied to CPU first so they can cross process boundaries. Names must be the Hugging Face checkpoint names
-        (vLLM maps them onto its fused layers). For large models prefer verl's rollout workers, which share
-        weights without this copy.
+        Best effort: the (name, tensor) pairs go to each worker's `reload_weights` through
+        `LLM.collective_rpc`, copied to CPU first so they can cross process boundaries. Names must be the
+        Hugging Face checkpoint names (vLLM maps them onto its fused layers). For large models prefer verl's
+        rollout workers, which share weights without this copy.
         """
         weights = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in named_params]
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        self.llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
+        )
         self.llm.reset_prefix_cache()

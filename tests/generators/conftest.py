@@ -10,15 +10,28 @@ from SPA_agent.generators import Prompt
 SOKOBAN_ACTIONS = ["Up", "Down", "Left", "Right"]
 
 
-def make_prompt(tokenizer, user_text: str, prefix: str = "<think>", history: list[dict] | None = None,
-                worldmodel: bool = False) -> Prompt:
+def make_prompt(
+    tokenizer,
+    user_text: str,
+    prefix: str = "<think>",
+    history: list[dict] | None = None,
+    worldmodel: bool = False,
+) -> Prompt:
     """A chat [system, *history, user] opened for the assistant with `prefix` forced."""
-    messages = [{"role": "system", "content": "You're a helpful assistant. "}, *(history or []),
-                {"role": "user", "content": user_text}]
+    messages = [
+        {"role": "system", "content": "You're a helpful assistant. "},
+        *(history or []),
+        {"role": "user", "content": user_text},
+    ]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) + prefix
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return Prompt(messages=messages, prompt_ids=ids, response_prefix=prefix, action_space=list(SOKOBAN_ACTIONS),
-                  worldmodel=worldmodel)
+    return Prompt(
+        messages=messages,
+        prompt_ids=ids,
+        response_prefix=prefix,
+        action_space=list(SOKOBAN_ACTIONS),
+        worldmodel=worldmodel,
+    )
 
 
 def prompts_of_lengths(tokenizer, repeats: list[int]) -> list[Prompt]:

@@ -12,8 +12,8 @@ import pytest
 
 pytest.importorskip("openai")
 
-from SPA_agent.generators import build_generator  # noqa: E402
-from SPA_agent.generators.api import APIGenerationError, APIGenerator  # noqa: E402
+from SPA_agent.generators import build_generator
+from SPA_agent.generators.api import APIGenerationError, APIGenerator
 
 KEY = "sk-test-secret-123"
 
@@ -53,13 +53,26 @@ class ChatHandler(BaseHTTPRequestHandler):
         with server.lock:
             server.in_flight -= 1
         if self.path != "/v1/chat/completions" or fail:
-            return self._send(503 if self.path.endswith("completions") else 404, {"error": {"message": "busy"}})
+            return self._send(
+                503 if self.path.endswith("completions") else 404, {"error": {"message": "busy"}}
+            )
         content = "echo:" + body["messages"][-1]["content"]
-        self._send(200, {
-            "id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
-            "choices": [{"index": 0, "finish_reason": "stop",
-                         "message": {"role": "assistant", "content": content}}],
-        })
+        self._send(
+            200,
+            {
+                "id": "x",
+                "object": "chat.completion",
+                "created": 0,
+                "model": body["model"],
+                "choices": [
+                    {
+                        "index": 0,
+                        "finish_reason": "stop",
+                        "message": {"role": "assistant", "content": content},
+                    }
+                ],
+            },
+        )
 
     def _send(self, status: int, payload: dict):
         data = json.dumps(payload).encode()
@@ -87,8 +100,15 @@ def server():
 
 
 def api(url: str, **kwargs) -> APIGenerator:
-    settings = dict(model="test-model", api_key=KEY, max_new_tokens=32, max_retries=2, backoff_s=0.01,
-                    timeout_s=5, max_concurrency=4)
+    settings = dict(
+        model="test-model",
+        api_key=KEY,
+        max_new_tokens=32,
+        max_retries=2,
+        backoff_s=0.01,
+        timeout_s=5,
+        max_concurrency=4,
+    )
     return APIGenerator(url, **{**settings, **kwargs})
 
 
@@ -147,25 +167,37 @@ def test_endpoint_down_gives_one_clear_message(make_prompt):
         url = f"http://127.0.0.1:{probe.getsockname()[1]}/v1"
     with pytest.raises(APIGenerationError) as info:
         api(url, max_retries=1).generate([make_prompt(str(i)) for i in range(5)])
-    assert str(info.value) == (f"API endpoint {url} (model test-model) cannot be reached (is the server running "
-                               "and generator.base_url right?); gave up after 2 attempt(s)")
+    assert str(info.value) == (
+        f"API endpoint {url} (model test-model) cannot be reached (is the server running "
+        "and generator.base_url right?); gave up after 2 attempt(s)"
+    )
     assert info.value.__cause__ is None and info.value.__suppress_context__
 
 
 def test_key_comes_from_named_variable_and_is_never_shown(server, tiny_config, tiny_tokenizer):
     chat_server = server()
-    cfg = tiny_config("_2_sokoban", "generator=api", f"generator.base_url={chat_server.url}",
-                      "generator.api_key_env=SPA_TEST_KEY").generator
+    cfg = tiny_config(
+        "_2_sokoban",
+        "generator=api",
+        f"generator.base_url={chat_server.url}",
+        "generator.api_key_env=SPA_TEST_KEY",
+    ).generator
     generator = APIGenerator.from_config(cfg, environ={"SPA_TEST_KEY": KEY})
     assert KEY not in repr(generator) and KEY not in str(generator)
     with pytest.raises(ValueError, match="SPA_TEST_KEY"):
         APIGenerator.from_config(cfg, environ={})
 
 
-def test_build_generator_reads_the_process_environment(server, tiny_config, tiny_tokenizer, make_prompt, monkeypatch):
+def test_build_generator_reads_the_process_environment(
+    server, tiny_config, tiny_tokenizer, make_prompt, monkeypatch
+):
     chat_server = server()
     monkeypatch.setenv("SPA_TEST_KEY", KEY)
-    cfg = tiny_config("_2_sokoban", "generator=api", f"generator.base_url={chat_server.url}",
-                      "generator.api_key_env=SPA_TEST_KEY").generator
+    cfg = tiny_config(
+        "_2_sokoban",
+        "generator=api",
+        f"generator.base_url={chat_server.url}",
+        "generator.api_key_env=SPA_TEST_KEY",
+    ).generator
     (generation,) = build_generator(cfg, "tiny", tiny_tokenizer).generate([make_prompt("hi")])
     assert generation.text == "echo:hi" and chat_server.requests[0]["auth"] == f"Bearer {KEY}"

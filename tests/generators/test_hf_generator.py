@@ -33,7 +33,9 @@ def test_cut_at_stop_keeps_end_of_turn_token():
     assert cut_at_stop([4, 5, 6], {2}) == ([4, 5, 6], "length")
 
 
-def test_generations_have_consistent_ids_text_and_finish_reason(tiny_model, tiny_tokenizer, prompts_of_lengths):
+def test_generations_have_consistent_ids_text_and_finish_reason(
+    tiny_model, tiny_tokenizer, prompts_of_lengths
+):
     sampling = SamplingParams(temperature=1.0, max_new_tokens=10, seed=3)
     generations = hf(tiny_model, tiny_tokenizer, sampling).generate(prompts_of_lengths([1, 2, 5]))
     stop_ids = set(end_of_turn_ids(tiny_model, tiny_tokenizer))
@@ -62,7 +64,9 @@ def test_stops_at_end_of_turn_token_per_sequence(varied_model, tiny_tokenizer, p
     assert [g.finish_reason for g in generations[1:]] == ["length"] * 3  # the others went on
 
 
-def test_extra_end_of_turn_id_from_generation_config_cuts_there(varied_model, tiny_tokenizer, prompts_of_lengths):
+def test_extra_end_of_turn_id_from_generation_config_cuts_there(
+    varied_model, tiny_tokenizer, prompts_of_lengths
+):
     prompts = prompts_of_lengths(REPEATS)
     free = hf(varied_model, tiny_tokenizer).generate(prompts)
     stop_token = free[1].token_ids[3]
@@ -81,7 +85,9 @@ def test_extra_end_of_turn_id_from_generation_config_cuts_there(varied_model, ti
 
 def test_max_new_tokens_is_respected(tiny_model, tiny_tokenizer, prompts_of_lengths):
     sampling = SamplingParams(temperature=1.0, max_new_tokens=5)
-    for generation in hf(tiny_model, tiny_tokenizer, sampling, batch_size=2).generate(prompts_of_lengths(REPEATS)):
+    for generation in hf(tiny_model, tiny_tokenizer, sampling, batch_size=2).generate(
+        prompts_of_lengths(REPEATS)
+    ):
         assert len(generation.token_ids) == 5 and generation.finish_reason == "length"
 
 
@@ -102,16 +108,20 @@ def test_top_k_one_equals_greedy(varied_model, tiny_tokenizer, prompts_of_length
     prompts = prompts_of_lengths([1, 4])
     top1 = hf(varied_model, tiny_tokenizer, SamplingParams(temperature=1.0, top_k=1, max_new_tokens=12))
     assert [g.token_ids for g in top1.generate(prompts)] == [
-        g.token_ids for g in hf(varied_model, tiny_tokenizer).generate(prompts)]
+        g.token_ids for g in hf(varied_model, tiny_tokenizer).generate(prompts)
+    ]
 
 
-def test_checkpoint_generation_config_does_not_change_sampling(varied_model, tiny_tokenizer, prompts_of_lengths):
+def test_checkpoint_generation_config_does_not_change_sampling(
+    varied_model, tiny_tokenizer, prompts_of_lengths
+):
     prompts = prompts_of_lengths([1, 4])
     model = copy.deepcopy(varied_model)
     model.generation_config.repetition_penalty = 5.0
     model.generation_config.no_repeat_ngram_size = 1
     assert [g.token_ids for g in hf(model, tiny_tokenizer).generate(prompts)] == [
-        g.token_ids for g in hf(varied_model, tiny_tokenizer).generate(prompts)]
+        g.token_ids for g in hf(varied_model, tiny_tokenizer).generate(prompts)
+    ]
 
 
 def test_build_from_config_loads_the_tiny_model(tiny_config, tiny_tokenizer, make_prompt):

@@ -14,7 +14,9 @@ SOKOBAN_ACTIONS = ["Up", "Down", "Left", "Right"]
 
 WORLDMODEL = re.compile(
     r"^<think>\s*<observation>(.*?)</observation>(.*?)<prediction>(.*?)</prediction>\s*</think>\s*"
-    r"<answer>(.*?)</answer>$", re.DOTALL)
+    r"<answer>(.*?)</answer>$",
+    re.DOTALL,
+)
 BASE = re.compile(r"^<think>(.*?)</think>\s*<answer>(.*?)</answer>$", re.DOTALL)
 
 
@@ -38,11 +40,17 @@ def test_base_mode_is_well_formed_with_actions_from_action_space(make_prompt):
 def test_worldmodel_mode_copies_states_of_last_assistant_message(make_prompt):
     history = [
         {"role": "user", "content": "Turn 1"},
-        {"role": "assistant", "content": "<think> <observation>old</observation> x <prediction>p</prediction>"
-                                         "</think><answer>Up</answer>"},
+        {
+            "role": "assistant",
+            "content": "<think> <observation>old</observation> x <prediction>p</prediction>"
+            "</think><answer>Up</answer>",
+        },
         {"role": "user", "content": "Reward:\n-0.1\n"},
-        {"role": "assistant", "content": "<think> <observation>#P\n_O</observation> y "
-                                         "<prediction>#_\nPO</prediction></think><answer>Down</answer>"},
+        {
+            "role": "assistant",
+            "content": "<think> <observation>#P\n_O</observation> y "
+            "<prediction>#_\nPO</prediction></think><answer>Down</answer>",
+        },
     ]
     prompt = make_prompt("Turn 3", history=history, worldmodel=True)
     (generation,) = RandomGenerator(num_actions=2, seed=1).generate([prompt])

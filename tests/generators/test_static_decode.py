@@ -1,4 +1,5 @@
-"""The static-cache decoder (issue 9) against transformers' generate on the tiny model, on CPU (no CUDA graphs)."""
+"""The static-cache decoder (issue 9) against transformers' generate on the tiny model, on CPU (no CUDA
+graphs)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ def ids(generations):
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 12])
-def test_greedy_static_decoder_equals_generate(varied_model, tiny_tokenizer, prompts_of_lengths, max_new_tokens):
+def test_greedy_static_decoder_equals_generate(
+    varied_model, tiny_tokenizer, prompts_of_lengths, max_new_tokens
+):
     prompts = prompts_of_lengths(REPEATS)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
     static = hf(varied_model, tiny_tokenizer, greedy, "static").generate(prompts)
@@ -43,7 +46,9 @@ def test_stops_per_sequence_and_respects_length(varied_model, tiny_tokenizer, pr
 def test_all_sequences_stopped_ends_the_loop(varied_model, tiny_tokenizer, prompts_of_lengths):
     prompts = prompts_of_lengths([1, 1])
     model = copy.deepcopy(varied_model)
-    first = hf(model, tiny_tokenizer, SamplingParams(temperature=0.0, max_new_tokens=3), "static").generate(prompts)
+    first = hf(model, tiny_tokenizer, SamplingParams(temperature=0.0, max_new_tokens=3), "static").generate(
+        prompts
+    )
     model.generation_config.eos_token_id = [first[0].token_ids[1]]
     stopped = hf(model, tiny_tokenizer, SamplingParams(temperature=0.0, max_new_tokens=40), "static")
     assert ids(stopped.generate(prompts)) == [first[0].token_ids[:2]] * 2
@@ -54,13 +59,24 @@ def test_top_k_one_sampling_equals_greedy(varied_model, tiny_tokenizer, prompts_
     top1 = SamplingParams(temperature=0.7, top_k=1, max_new_tokens=10)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=10)
     assert ids(hf(varied_model, tiny_tokenizer, top1, "static").generate(prompts)) == ids(
-        hf(varied_model, tiny_tokenizer, greedy, "static").generate(prompts))
+        hf(varied_model, tiny_tokenizer, greedy, "static").generate(prompts)
+    )
 
 
 def test_seeded_sampling_is_reproducible(varied_model, tiny_tokenizer, prompts_of_lengths):
     prompts = prompts_of_lengths([1, 5, 2])
-    runs = [ids(hf(varied_model, tiny_tokenizer, SamplingParams(max_new_tokens=10, seed=seed), "static",
-                   batch_size=2).generate(prompts)) for seed in (4, 4, 5)]
+    runs = [
+        ids(
+            hf(
+                varied_model,
+                tiny_tokenizer,
+                SamplingParams(max_new_tokens=10, seed=seed),
+                "static",
+                batch_size=2,
+            ).generate(prompts)
+        )
+        for seed in (4, 4, 5)
+    ]
     assert runs[0] == runs[1] and runs[0] != runs[2]
 
 
@@ -86,7 +102,8 @@ def test_grouped_decode_attention_equals_repeated_heads():
 
     output, _ = grouped_sdpa_attention(Module(), query, key, value, mask, scaling=0.5)
     expected = torch.nn.functional.scaled_dot_product_attention(
-        query, repeat_kv(key, 3), repeat_kv(value, 3), attn_mask=mask, scale=0.5).transpose(1, 2)
+        query, repeat_kv(key, 3), repeat_kv(value, 3), attn_mask=mask, scale=0.5
+    ).transpose(1, 2)
     torch.testing.assert_close(output, expected)
 
 
@@ -96,4 +113,5 @@ def test_one_token_prompts_match_generate(varied_model, tiny_tokenizer):
     prompts = [Prompt(messages=[], prompt_ids=[5]), Prompt(messages=[], prompt_ids=[7])]
     greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
     assert ids(hf(varied_model, tiny_tokenizer, greedy, "static").generate(prompts)) == ids(
-        hf(varied_model, tiny_tokenizer, greedy, "generate").generate(prompts))
+        hf(varied_model, tiny_tokenizer, greedy, "generate").generate(prompts)
+    )
