@@ -8,6 +8,7 @@ the micro-batch size. Generation goes through the generator interface using the 
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,30 +108,39 @@ class LocalBackend:
             loss_agg_mode=arr.actor.loss_agg_mode,
         )
         self._generator = None
+        self._rollout_model: nn.Module | None = None
 
     # ---------------------------------------------------------------- generation
 
     @property
     def generator(self):
-        """The configured generator (`generator` config group) over the actor's live weights; built on first use."""
+        """The configured generator (`generator` config group) over the actor's weights; built on first use.
+
+        On GPU `hf` samples from a bf16 copy of the actor (refreshed after every update), so decoding runs in
+        bf16 with the generator's own KV caches; on CPU it samples from the float32 actor itself.
+        """
         if self._generator is None:
             from SPA_agent.generators import build_generator
 
-            self._generator = build_generator(
-                self.cfg.generator, self.model_path, self.tokenizer, model=self.actor.model
-            )
+            if self.device.type == "cuda" and self.cfg.generator.name == "hf":
+                self._rollout_model = copy.deepcopy(self.actor.model).to(torch.bfloat16).eval().requires_grad_(False)
+            model = self._rollout_model if self._rollout_model is not None else self.actor.model
+            self._generator = build_generator(self.cfg.generator, self.model_path, self.tokenizer, model=model)
         return self._generator
 
     def generate(self, prompts: list) -> list:
-        self.actor.model.eval()
-        with torch.no_grad(), lm.autocast(self.device):
+        with torch.no_grad():
             return self.generator.generate(prompts)
 
+    @torch.no_grad()
     def _refresh_generator_weights(self) -> None:
-        """Engines holding their own copy of the weights (vLLM) get the updated actor weights."""
+        """Copies of the weights held for generation (bf16 rollout model, vLLM engine) get the actor's."""
+        if self._rollout_model is not None:
+            for rollout_param, actor_param in zip(self._rollout_model.parameters(), self.actor.model.parameters()):
+                rollout_param.copy_(actor_param)
         update = getattr(self._generator, "update_weights", None)
         if update is not None:
-            update(self.actor.model)
+            update(self.actor.model.named_parameters())
 
     # ---------------------------------------------------------------- inference passes
 

@@ -18,10 +18,11 @@ from verl.utils import torch_functional as verl_F
 MODEL_INPUT_KEYS = ("input_ids", "attention_mask", "position_ids")
 
 
-def autocast(device: torch.device) -> contextlib.AbstractContextManager:
-    """bf16 autocast on GPU; plain float32 on CPU."""
+def autocast(device: torch.device, cache_enabled: bool = True) -> contextlib.AbstractContextManager:
+    """bf16 autocast on GPU; plain float32 on CPU. Generation passes cache_enabled=False, which CUDA-graph
+    capture (the hf generator's static decoder) requires."""
     if device.type == "cuda":
-        return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
+        return torch.autocast(device_type="cuda", dtype=torch.bfloat16, cache_enabled=cache_enabled)
     return contextlib.nullcontext()
 
 
