@@ -1,0 +1,28 @@
+"""benchmarks/ppo_step.py at CI size (--smoke), so the script cannot rot."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PHASES = {"generation", "old_log_prob", "ref", "values", "update_critic", "update_actor", "total"}
+
+
+@pytest.mark.slow
+def test_smoke_run_prints_every_phase():
+    result = subprocess.run(
+        [sys.executable, "benchmarks/ppo_step.py", "--smoke"], cwd=ROOT, capture_output=True, text=True,
+        timeout=300, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert {line["metric"].removeprefix("ppo_step/") for line in lines} == PHASES
+    assert all(line["seconds"] > 0 for line in lines)
+    total = lines[-1]
+    assert 0 < total["sampled_tokens"] <= 8 * 2 * 16  # 8 trajectories × 2 turns × at most 16 tokens
+    assert total["train_tokens"] > 0
