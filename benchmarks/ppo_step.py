@@ -175,10 +175,9 @@ def main() -> None:
         results: list[dict] = []
         with phase("generation", results, trajectories=args.trajectories, turns=args.turns):
             ids, roles = generate_rollout(backend, args, SHAPES[shape]["vocab_size"])
-        batch = training_batch(ids, roles, args.keep)
-        tokens = int(batch.batch["attention_mask"].sum())
-        for _ in range(args.repeats):
-            train_phases(backend, batch, results, tokens)
+        tokens = int(training_batch(ids, roles, args.keep).batch["attention_mask"].sum())
+        for _ in range(args.repeats):  # a fresh batch each time: the phases add keys to it
+            train_phases(backend, training_batch(ids, roles, args.keep), results, tokens)
     summary = {"metric": "ppo_step/total", "unit": "s", "shape": shape, "micro": args.micro,
                "sampled_tokens": sum(map(sum, roles)), "train_tokens": tokens,
                "seconds": round(sum(r["seconds"] for r in results if r["metric"] == "ppo_step/generation")
