@@ -12,8 +12,8 @@ from __future__ import annotations
 import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch

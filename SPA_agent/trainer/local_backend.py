@@ -45,7 +45,7 @@ class Trainable:
     grad_clip: float
 
     @classmethod
-    def build(cls, model: nn.Module, optim: DictConfig, grad_clip: float, total_steps: int) -> "Trainable":
+    def build(cls, model: nn.Module, optim: DictConfig, grad_clip: float, total_steps: int) -> Trainable:
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay
         )

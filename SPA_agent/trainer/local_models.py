@@ -7,7 +7,7 @@ Shapes: b trajectories in a micro-batch, T tokens per row; outputs are (b, T-1),
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn

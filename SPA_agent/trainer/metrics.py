@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Iterator, Mapping
 
 import torch
 from verl import DataProto
@@ -66,7 +66,7 @@ def data_metrics(batch: DataProto) -> dict[str, float]:
         var_returns = verl_F.masked_var(t["returns"], mask)
         var_error = verl_F.masked_var(t["returns"] - t["values"], mask)
         metrics["critic/vf_explained_var"] = (1.0 - var_error / (var_returns + 1e-5)).item()
-    if "ref_log_prob" in t.keys():
+    if "ref_log_prob" in t:
         metrics["rollout/ref_log_prob"] = verl_F.masked_mean(t["ref_log_prob"], mask).item()
     return metrics
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm

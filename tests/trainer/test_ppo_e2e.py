@@ -70,7 +70,7 @@ def test_entry_point_turns_config_mistakes_into_one_line(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "SPA_agent.trainer.main_ppo", "--config-name", "_2_sokoban", "model=tiny",
          "ppo_mini_batch_size=64", f"trainer.default_local_dir={tmp_path}"],
-        capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2], timeout=120,
+        check=False, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2], timeout=120,
     )
     assert result.returncode == 2
     assert "ppo_mini_batch_size" in result.stderr and "Traceback" not in result.stderr
