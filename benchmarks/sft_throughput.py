@@ -25,14 +25,20 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from sft.fsdp_model import shard
-from sft.packing import collate_packed, collate_padded, count_loss_tokens, plan_packed, plan_padded, \
-    token_loss_sum
+from sft.packing import (
+    collate_packed,
+    collate_padded,
+    count_loss_tokens,
+    plan_packed,
+    plan_padded,
+    token_loss_sum,
+)
 from sft.spa_sft_dataset import SftSample
 
 PEAK_FLOPS = 989e12
-QWEN25_15B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                  num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6,
-                  tie_word_embeddings=True)
+QWEN25_15B = {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
+              "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768,
+              "rope_theta": 1e6, "tie_word_embeddings": True}
 
 
 def synthetic_rows(n: int, vocab: int, max_length: int, scale: float, seed: int = 0) -> list[SftSample]:
@@ -144,7 +150,7 @@ def main() -> None:
         measure("original: micro 1, padded to max_length", cfg, "sdpa", rows,
                 lambda idx, lens: plan_padded(idx, lens, 1, 1), max_length, None, args, device)
     for budget in args.budgets:
-        plan = lambda idx, lens, b=budget: plan_packed(idx, lens, 1, b)  # noqa: E731
+        plan = lambda idx, lens, b=budget: plan_packed(idx, lens, 1, b)
         if "packed-sdpa" in args.variants:
             measure(f"packed {budget} tokens", cfg, "sdpa", rows, plan, None, 0, args, device)
         if "packed-flex" in args.variants:

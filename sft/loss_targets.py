@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 THINK_OPEN = "<think>"
 OBS_PLACEHOLDER = "<obs_content>"
@@ -43,7 +43,7 @@ class LossTarget(str, enum.Enum):
     ANSWER_ONLY = "answer_only"
 
     @classmethod
-    def parse(cls, value: str) -> "LossTarget":
+    def parse(cls, value: str) -> LossTarget:
         try:
             return cls(value)
         except ValueError:

@@ -13,7 +13,7 @@ flex attention, so packed samples never attend to each other. Labels never cross
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F

@@ -13,9 +13,9 @@ trained.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -39,7 +39,7 @@ class Truncation(str, enum.Enum):
     ERROR = "error"  # refuse the data set
 
     @classmethod
-    def parse(cls, value: str) -> "Truncation":
+    def parse(cls, value: str) -> Truncation:
         try:
             return cls(value)
         except ValueError:

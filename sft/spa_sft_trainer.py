@@ -22,19 +22,31 @@ from pathlib import Path
 import hydra
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from torch.distributed.device_mesh import init_device_mesh
 from tqdm import tqdm
 
-from SPA_agent.tiny import resolve_model_path
 from sft import checkpointing as ckpt
-from sft.fsdp_model import add_lora, full_state_dict, load_model, merged_hf_state_dict, shard, \
-    trainable_state_dict
+from sft.fsdp_model import (
+    add_lora,
+    full_state_dict,
+    load_model,
+    merged_hf_state_dict,
+    shard,
+    trainable_state_dict,
+)
 from sft.loss_targets import LossTarget, prepare_tokenizer
-from sft.packing import collate_packed, collate_padded, count_loss_tokens, plan_packed, plan_padded, \
-    token_loss_sum
+from sft.packing import (
+    collate_packed,
+    collate_padded,
+    count_loss_tokens,
+    plan_packed,
+    plan_padded,
+    token_loss_sum,
+)
 from sft.spa_sft_dataset import SpaSftDataset
 from sft.tracking import MetricsLogger
+from SPA_agent.tiny import resolve_model_path
 
 
 def _free_port() -> int:
@@ -55,7 +67,7 @@ class SftTrainer:
 
     # ---------------------------------------------------------------- setup
     def preflight(self) -> None:
-        """Check config and data (batch sizes, files, schema, lengths) without processes groups or a model."""
+        """Check config and data (batch sizes, files, schema, lengths) without process groups or a model."""
         self._check_batch_sizes()
         self.model_path = resolve_model_path(self.cfg.model.partial_pretrain)
         self._build_data()
@@ -108,7 +120,7 @@ class SftTrainer:
         prepare_tokenizer(self.tokenizer, LossTarget.parse(data.loss_target))
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
             else self.tokenizer.eos_token_id
-        make = lambda files: SpaSftDataset(  # noqa: E731
+        make = lambda files: SpaSftDataset(
             OmegaConf.to_object(files) if OmegaConf.is_list(files) else files, self.tokenizer, data.max_length,
             data.truncation, data.loss_target, data.prompt_key, data.response_key)
         self.train_data = make(data.train_files)
@@ -151,8 +163,11 @@ class SftTrainer:
         return self.global_step
 
     def _load_checkpoint(self, path: Path) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         state_dir = path / ckpt.TRAIN_STATE
         options = StateDictOptions(full_state_dict=True, strict=False)
@@ -317,10 +332,10 @@ class SftTrainer:
 @hydra.main(config_path="config", config_name="sft_trainer", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     """Entry point: reads torchrun's RANK/WORLD_SIZE/LOCAL_RANK; user errors exit with status 2."""
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     init_method = "env://" if "MASTER_ADDR" in os.environ else None
-    with cfg_unlocked(cfg):
+    with open_dict(cfg):
         cfg.trainer.wandb_mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
     preflight = cfg.trainer.get("preflight_nproc")
     trainer = SftTrainer(cfg, rank, preflight or world, local_rank, init_method)
@@ -336,12 +351,6 @@ def main(cfg: DictConfig) -> None:
         trainer.cleanup()
         sys.exit(2)
     trainer.cleanup()
-
-
-def cfg_unlocked(cfg: DictConfig):
-    from omegaconf import open_dict
-
-    return open_dict(cfg)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@ import json
 import math
 import os
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
 

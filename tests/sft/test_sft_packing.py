@@ -8,8 +8,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sft_fixtures import synthetic_rows, write_rows
 
-from sft.packing import collate_packed, collate_padded, count_loss_tokens, plan_packed, plan_padded, \
-    token_loss_sum
+from sft.packing import (
+    collate_packed,
+    collate_padded,
+    count_loss_tokens,
+    plan_packed,
+    plan_padded,
+    token_loss_sum,
+)
 from sft.spa_sft_dataset import SpaSftDataset
 
 
