@@ -52,3 +52,8 @@ latest_checkpoint() {
     [ -n "$best" ] || die "no global_step_N checkpoint in '$dir'"
     echo "$best"
 }
+
+# default_generator: vllm when importable, else hf (for evaluation and data generation with a real model).
+default_generator() {
+    if python -c "import vllm" >/dev/null 2>&1; then echo vllm; else echo hf; fi
+}

@@ -84,7 +84,8 @@ def test_failed_requests_are_excluded_and_marked_incomplete(tmp_path, tiny_token
 
 def test_bad_inputs_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match=r"evaluation.k=\[1, 16\] must lie in \[1, evaluation.n=8\]"):
-        prepare_eval_config(compose("_2_sokoban", ["model=tiny", "++evaluation.k=[1,16]"]), "_2_sokoban")
+        prepare_eval_config(compose("_2_sokoban", ["model=tiny", "evaluation.n=8", "evaluation.k=[1,16]"]),
+                            "_2_sokoban")
     not_a_model = tmp_path / "run"
     (not_a_model / "global_step_5" / "actor").mkdir(parents=True)
     cfg = eval_config(tmp_path / "bad", f"model_path={not_a_model}")
