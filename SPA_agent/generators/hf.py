@@ -137,6 +137,14 @@ class HFGenerator:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    def state_dict(self) -> dict:
+        """The sampling position: call k samples from seed `call_seed(seed, k)`, so a resumed run that restores
+        this draws the same samples as an uninterrupted one."""
+        return {"calls": self._calls}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._calls = int(state["calls"])
+
     def generate(self, prompts: list[Prompt]) -> list[Generation]:
         """Continue every prompt; chunks of `batch_size` prompts of similar length share one padded batch."""
         from tqdm.auto import tqdm

@@ -44,6 +44,14 @@ class RandomGenerator:
         self.reasoning = reasoning
         self._rng = _random.Random(seed)
 
+    def state_dict(self) -> dict:
+        """The RNG state, so a resumed run continues the same action sequence."""
+        return {"rng": self._rng.getstate()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        version, internal, gauss = state["rng"]
+        self._rng.setstate((version, tuple(internal), gauss))
+
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> RandomGenerator:
         return cls(

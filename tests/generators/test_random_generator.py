@@ -88,3 +88,17 @@ def test_missing_action_space_is_a_clear_error(make_prompt):
 
 def test_last_states_without_assistant_turn():
     assert last_states([{"role": "user", "content": "<observation>x</observation>"}]) == ("", "")
+
+
+def test_random_generator_state_round_trip_continues_the_same_sequence():
+    from SPA_agent.generators.base import Prompt
+    from SPA_agent.generators.random import RandomGenerator
+
+    prompts = [Prompt(messages=[], prompt_ids=[], action_space=["Up", "Down", "Left", "Right"])] * 4
+    first = RandomGenerator(num_actions=3, seed=7)
+    first.generate(prompts)
+    state = first.state_dict()
+    expected = [g.text for g in first.generate(prompts)]
+    second = RandomGenerator(num_actions=3, seed=7)
+    second.load_state_dict(state)
+    assert [g.text for g in second.generate(prompts)] == expected
