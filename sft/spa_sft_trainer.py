@@ -49,6 +49,20 @@ from sft.tracking import MetricsLogger
 from SPA_agent.tiny import resolve_model_path
 
 
+FLEX_PAD_MULTIPLE = 512
+
+
+def resolve_kernel_choices(cfg: DictConfig, use_cuda: bool) -> None:
+    """Fill in the `auto` kernel settings: flex attention on GPU, whose block mask skips the attention between
+    packed rows (SDPA's dense block-diagonal mask does not), with packed rows padded to a multiple of 512 so that
+    it compiles for few shapes; SDPA and no padding on CPU."""
+    if cfg.model.attn_implementation == "auto":
+        cfg.model.attn_implementation = "flex_attention" if use_cuda else "sdpa"
+    if cfg.data.pad_packed_to_multiple == "auto":
+        flex = cfg.model.attn_implementation == "flex_attention"
+        cfg.data.pad_packed_to_multiple = FLEX_PAD_MULTIPLE if flex else 0
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -106,6 +120,7 @@ class SftTrainer:
         if use_cuda:
             torch.cuda.set_device(self.local_rank)
         self.device = torch.device("cuda", self.local_rank) if use_cuda else torch.device("cpu")
+        resolve_kernel_choices(self.cfg, use_cuda)
         if not dist.is_initialized():
             dist.init_process_group("nccl" if use_cuda else "gloo", init_method=self.init_method,
                                     rank=self.rank, world_size=self.world_size)
