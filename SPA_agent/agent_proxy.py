@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from verl import DataProto
 
 from SPA_agent.ctx_manager import ContextManager
-from SPA_agent.es_manager import EnvStateManager
+from SPA_agent.es_manager import EnvStateManager, check_env_groups
 from SPA_agent.generators.base import FINISH_STOP, Generator, Prompt
 
 
@@ -33,6 +33,8 @@ class Rollout:
 class LLMAgentProxy:
     def __init__(self, config: Mapping, generator: Generator, tokenizer, mode: str | None = None,
                  progress: bool = False):
+        for split in ("train", "val"):
+            check_env_groups(config, split)
         self.config = config
         self.generator = generator
         self.ctx = ContextManager(config, tokenizer, mode=mode)

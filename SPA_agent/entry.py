@@ -8,8 +8,11 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from SPA_agent.config import CONFIG_DIR
+from SPA_agent.generators.base import GenerationError, MissingExtraError
 
 EXIT_USAGE = 2  # user mistakes: bad config value, missing file, a directory that is not a model
+#: what an entry point reports as one line (and exit status 2) instead of a traceback
+USER_ERRORS = (ValueError, FileNotFoundError, MissingExtraError, GenerationError)
 
 
 def current_config_name() -> str | None:

@@ -41,6 +41,22 @@ class EnvEntry:
     infos: list[dict] = field(default_factory=list)
 
 
+def check_env_groups(config: Mapping, split: str) -> None:
+    """Clear errors for `es_manager.<split>` before any env is built: known tags, one n_groups entry per tag,
+    and n_groups summing to env_groups."""
+    es_cfg = config["es_manager"][split]
+    tags, n_groups = list(es_cfg["env_configs"]["tags"]), list(es_cfg["env_configs"]["n_groups"])
+    unknown = [tag for tag in tags if tag not in config["custom_envs"]]
+    if unknown:
+        raise ValueError(f"es_manager.{split}: unknown env tag(s) {unknown}; known tags: "
+                         f"{sorted(config['custom_envs'])}")
+    if len(tags) != len(n_groups) or sum(n_groups) != int(es_cfg["env_groups"]):
+        raise ValueError(
+            f"es_manager.{split}: env_configs.n_groups {n_groups} must have one entry per tag "
+            f"{tags} and sum to env_groups={es_cfg['env_groups']}"
+        )
+
+
 def _action_ids_by_name(env) -> dict[str, Any] | None:
     lookup = getattr(env.config, "action_lookup", None)
     if not lookup:
@@ -61,20 +77,13 @@ class EnvStateManager:
         self.format_penalty = float(config["es_manager"]["format_penalty"])
         self.base_seed = config["seed"][split] if "seed" in config else None
         self.seed_counter = 0
+        check_env_groups(config, split)
         self.entries = self._build_entries(config["custom_envs"], es_cfg["env_configs"])
         self.cache: list[dict] = []
 
     def _build_entries(self, custom_envs: Mapping, env_configs: Mapping) -> list[EnvEntry]:
-        tags, n_groups = list(env_configs["tags"]), list(env_configs["n_groups"])
-        if len(tags) != len(n_groups) or sum(n_groups) != self.env_groups:
-            raise ValueError(
-                f"es_manager.{self.split}: env_configs.n_groups {n_groups} must have one entry per tag "
-                f"{tags} and sum to env_groups={self.env_groups}"
-            )
         entries, env_id = [], 0
-        for tag, n_group in zip(tags, n_groups):
-            if tag not in custom_envs:
-                raise ValueError(f"unknown env tag {tag!r}; known tags: {sorted(custom_envs)}")
+        for tag, n_group in zip(env_configs["tags"], env_configs["n_groups"]):
             env_cfg = custom_envs[tag]
             for _ in range(n_group * self.group_size):
                 env = make_env(env_cfg["env_type"], env_cfg.get("env_config"))

@@ -22,7 +22,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from SPA_agent import atomic_io
-from SPA_agent.entry import EXIT_USAGE, apply_system_env, load_tokenizer, prepare_config
+from SPA_agent.entry import EXIT_USAGE, USER_ERRORS, apply_system_env, load_tokenizer, prepare_config
 from SPA_agent.generators.base import FINISH_ERROR, Generation, Prompt
 from SPA_agent.passk import pass_any, passk_summary
 from SPA_agent.worldmodel import worldmodel_accuracy
@@ -211,7 +211,7 @@ def main(cfg: DictConfig) -> None:
         cfg = prepare_eval_config(cfg)
         apply_system_env(cfg)
         result = evaluate(cfg)
-    except (ValueError, FileNotFoundError) as err:
+    except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
     print(format_result(result))

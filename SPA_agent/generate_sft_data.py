@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from SPA_agent import atomic_io
 from SPA_agent.datagen_card import BatchStats, render_data_card, trajectory_stats
-from SPA_agent.entry import EXIT_USAGE, apply_system_env, load_tokenizer, prepare_config
+from SPA_agent.entry import EXIT_USAGE, USER_ERRORS, apply_system_env, load_tokenizer, prepare_config
 from SPA_agent.worldmodel import substitute_states
 
 DATA_FILES = ("wm_train.parquet", "wm_val.parquet")
@@ -231,7 +231,7 @@ def main(cfg: DictConfig) -> None:
         cfg = prepare_data_gen_config(cfg)
         apply_system_env(cfg)
         card = generate(cfg)
-    except (ValueError, FileNotFoundError) as err:
+    except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
     print(render_data_card(card))

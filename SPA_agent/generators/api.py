@@ -15,12 +15,20 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
-from SPA_agent.generators.base import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Generation, Prompt
+from SPA_agent.generators.base import (
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Generation,
+    GenerationError,
+    MissingExtraError,
+    Prompt,
+)
 
 NO_KEY = "EMPTY"  # sent to servers without authentication (api_key_env: null)
 
 
-class APIGenerationError(RuntimeError):
+class APIGenerationError(GenerationError):
     """A request failed after its last attempt (the message names the endpoint and the cause)."""
 
 
@@ -28,7 +36,7 @@ def _import_openai():
     try:
         import openai
     except ImportError as err:
-        raise ImportError("the api generator needs the openai package: pip install 'spa-agent[api]'") from err
+        raise MissingExtraError("the api generator needs the openai package: pip install 'spa-agent[api]'") from err
     return openai
 
 

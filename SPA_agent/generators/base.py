@@ -16,6 +16,14 @@ FINISH_LENGTH = "length"  # max_new_tokens reached before the end of the turn
 FINISH_ERROR = "error"  # the request failed (api generator with allow_failures=True only)
 
 
+class MissingExtraError(ImportError):
+    """An optional package a generator needs is not installed (the message names the extra to install)."""
+
+
+class GenerationError(RuntimeError):
+    """A generator could not produce text (e.g. an endpoint still failing after its retries)."""
+
+
 @dataclass
 class Prompt:
     """One chat to continue.

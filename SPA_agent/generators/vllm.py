@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from SPA_agent.generators.base import (
+    MissingExtraError,
     FINISH_LENGTH,
     FINISH_STOP,
     Generation,
@@ -40,7 +41,7 @@ def import_vllm():
     try:
         import vllm
     except ImportError as err:
-        raise ImportError(INSTALL_HINT) from err
+        raise MissingExtraError(INSTALL_HINT) from err
     return vllm
 
 

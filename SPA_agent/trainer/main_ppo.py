@@ -22,6 +22,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from SPA_agent.config import CONFIG_DIR
+from SPA_agent.entry import USER_ERRORS
 
 OOM_ADVICE = (
     "out of GPU memory. Lower micro_batch_size_per_gpu (log-prob, value and update micro-batches), "
@@ -85,7 +86,7 @@ def main(cfg: DictConfig) -> None:
     _copy_environment(cfg)
     try:
         output_dir = run(cfg)
-    except (ValueError, FileNotFoundError) as err:
+    except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     except torch.OutOfMemoryError:

@@ -86,3 +86,24 @@ def test_tiny_model_rollout_reuses_sampled_ids(tiny_config, tiny_tokenizer, tiny
         sampled = [i for e in state["history"] if "response_ids" in e for i in e["response_ids"]]
         assert batch["responses"][row][batch["response_mask"][row].bool()].tolist() == sampled
         assert 1 <= len(state["history"]) - 1 <= 2
+
+
+def test_unknown_env_tag_is_a_clear_error_before_any_env_is_built(tiny_config, tiny_tokenizer, tiny_dir):
+    cfg = tiny_config("_2_sokoban", "generator=random", "es_manager.val.env_configs.tags=[Sokobann]")
+    with pytest.raises(ValueError, match=r"es_manager.val: unknown env tag\(s\) \['Sokobann'\]; known tags"):
+        _proxy(cfg, tiny_tokenizer, tiny_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("override, message", [
+    ("generator=vllm", "pip install 'spa-agent[gpu]'"),
+    ("es_manager.train.env_configs.tags=[Foo]", "unknown env tag"),
+])
+def test_entry_points_report_user_errors_in_one_line(override, message, tmp_path):
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "SPA_agent.generate_sft_data", "--config-name", "_2_sokoban", "model=tiny",
+         override, f"data_gen.output_dir={tmp_path}"], capture_output=True, text=True, check=False)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
