@@ -7,8 +7,8 @@ same loop serves data generation, PPO and evaluation.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from tqdm.auto import tqdm
 from verl import DataProto

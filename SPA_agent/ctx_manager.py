@@ -8,7 +8,7 @@ the trainer scores are the same ids.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 import torch

@@ -48,7 +48,6 @@ from sft.spa_sft_dataset import SpaSftDataset
 from sft.tracking import MetricsLogger
 from SPA_agent.tiny import resolve_model_path
 
-
 FLEX_PAD_MULTIPLE = 512
 
 

@@ -13,10 +13,10 @@ from typing import Any
 import torch
 
 from SPA_agent.generators.base import (
-    MissingExtraError,
     FINISH_LENGTH,
     FINISH_STOP,
     Generation,
+    MissingExtraError,
     Prompt,
     SamplingParams,
     stop_token_ids,
