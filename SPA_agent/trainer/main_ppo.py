@@ -22,7 +22,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from SPA_agent.config import CONFIG_DIR
-from SPA_agent.entry import USER_ERRORS
+from SPA_agent.entry import EXIT_USAGE, USER_ERRORS, apply_system_env
 
 OOM_ADVICE = (
     "out of GPU memory. Lower micro_batch_size_per_gpu (log-prob, value and update micro-batches), "
@@ -75,8 +75,7 @@ def run(cfg: DictConfig) -> Path:
 
 def _copy_environment(cfg: DictConfig) -> None:
     """Entry-point-only environment handling: visible GPUs from config; wandb offline without a key."""
-    if cfg.system.get("CUDA_VISIBLE_DEVICES"):
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(cfg.system.CUDA_VISIBLE_DEVICES)
+    apply_system_env(cfg)
     if "wandb" in cfg.trainer.logger and not os.environ.get("WANDB_API_KEY"):
         os.environ.setdefault("WANDB_MODE", "offline")
 
@@ -88,7 +87,7 @@ def main(cfg: DictConfig) -> None:
         output_dir = run(cfg)
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(EXIT_USAGE)
     except torch.OutOfMemoryError:
         print(f"error: {OOM_ADVICE}", file=sys.stderr)
         sys.exit(3)
