@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import re
 import sys
 from dataclasses import dataclass
@@ -25,6 +24,8 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from SPA_agent import atomic_io
 
 SPLITS = ("wm_train", "wm_val")
 _FLAGS = re.IGNORECASE | re.DOTALL
@@ -90,13 +91,6 @@ def filter_table(
     return table.filter(pa.array(keep, type=pa.bool_())), stats
 
 
-def write_parquet_atomic(table: pa.Table, path: Path) -> None:
-    """Write `table` to `path` through a temporary file in the same directory, then rename."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    pq.write_table(table, tmp)
-    os.replace(tmp, path)
-
-
 def filter_dir(
     input_dir: Path, output_dir: Path, min_len: int | None, max_len: int | None, dedup: bool
 ) -> dict[str, FilterStats]:
@@ -111,7 +105,7 @@ def filter_dir(
     stats = {}
     for split, path in paths.items():
         table, stats[split] = filter_table(pq.read_table(path), min_len, max_len, dedup)
-        write_parquet_atomic(table, output_dir / f"{split}.parquet")
+        atomic_io.write_parquet(output_dir / f"{split}.parquet", table)
     return stats
 
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from SPA_agent import atomic_io
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -18,10 +18,7 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     if not path.is_file():
         return
     kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".metrics-")
-    with os.fdopen(fd, "w") as handle:
-        handle.write("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
+    atomic_io.write_text(path, "".join(line + "\n" for line in kept))
 
 
 class MetricsLogger:
