@@ -1,8 +1,8 @@
 """The worker-group protocol between the PPO driver and the models, and the registry of backends.
 
 The driver (`ppo_trainer.py`) only calls these methods; how models are placed, sharded or batched is the
-backend's business. `local` keeps actor, critic and reference in one process on one device; a `verl` backend
-(Ray/FSDP workers, multi-GPU) will implement the same protocol (issue #6).
+backend's business. `local` keeps actor, critic and reference in one process on one device; `verl` runs them on
+verl's Ray/FSDP workers with a vLLM or SGLang rollout (multi-GPU, multi-node; docs/scale_out.md).
 """
 
 from __future__ import annotations
