@@ -1,28 +1,8 @@
 """Exact token ids and roles of a hand-checked two-turn conversation, for ChatML and Llama-3 templates."""
 
-import copy
-
 import pytest
 
 from SPA_agent.chat_tokens import CONTEXT, SAMPLED, SYSTEM, AssistantTurn, ChatTokenizer
-
-LLAMA3_TEMPLATE = (
-    "{{ '<|begin_of_text|>' }}{% for message in messages %}"
-    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim"
-    " + '<|eot_id|>' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
-)
-
-
-@pytest.fixture(scope="module")
-def llama_tokenizer(tiny_tokenizer):
-    tok = copy.deepcopy(tiny_tokenizer)
-    tok.add_special_tokens({"additional_special_tokens": [
-        "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
-    tok.eos_token = "<|eot_id|>"
-    tok.chat_template = LLAMA3_TEMPLATE
-    return tok
-
 
 MESSAGES = [
     {"role": "system", "content": "You're a helpful assistant. "},

@@ -1,0 +1,59 @@
+"""Masks and scores of a hand-built two-turn trajectory, for both enable_response_mask settings and both the
+ChatML and a Llama-3-style template: column j of the (B, T-1) tensors scores token j+1."""
+
+import pytest
+import torch
+
+from SPA_agent.chat_tokens import CONTEXT, SAMPLED, SYSTEM, ChatTokenizer
+from SPA_agent.ctx_manager import ContextManager
+
+
+def _trajectory(tok):
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]
+    turn1, turn2 = enc("a</think><answer>Up</answer>") + [tok.eos_token_id], enc("b</think><answer>Left")
+    return {
+        "env_id": 0, "group_id": 0, "tag": "SimpleSokoban", "seed": 123, "penalty": -0.1,
+        "history": [
+            {"state": "#P#", "actions_left": 10, "llm_response": "<think>a</think><answer>Up</answer>",
+             "llm_raw_response": "<think>a</think><answer>Up</answer>", "reward": -0.1, "response_ids": turn1},
+            {"state": "#_P", "actions_left": 9, "llm_response": "<think>b</think><answer>Left",
+             "llm_raw_response": "<think>b</think><answer>Left", "reward": 10.9, "response_ids": turn2},
+            {"state": "#P_", "actions_left": 8},
+        ],
+    }
+
+
+@pytest.mark.parametrize("template", ["chatml", "llama3"])
+@pytest.mark.parametrize("response_only", [True, False])
+def test_masks_and_score_follow_the_token_roles(template, response_only, tiny_config, tiny_tokenizer,
+                                                 llama_tokenizer):
+    tok = tiny_tokenizer if template == "chatml" else llama_tokenizer
+    cfg = tiny_config("_2_sokoban", f"enable_response_mask={response_only}")
+    ctx = ContextManager(cfg, tok)
+    cache = _trajectory(tok)
+    out = ctx.get_masks_and_scores([cache])
+    ids, roles = ChatTokenizer(tok).build(ctx.messages(cache, normalized=False, for_update=True),
+                                          ctx._assistant_turns(cache))
+    assert out["input_ids"][0].tolist() == ids
+    roles = torch.tensor(roles)
+    sampled = (roles[1:] == SAMPLED).float()
+    torch.testing.assert_close(out["response_mask"][0], sampled)
+    expected_loss = sampled if response_only else (roles[1:] != SYSTEM).float()
+    torch.testing.assert_close(out["loss_mask"][0], expected_loss)
+    assert int(sampled.sum()) == sum(len(e["response_ids"]) for e in cache["history"][:2])
+    # the truncated second turn is closed by the template's end of turn, which is context, not sampled
+    assert roles[-1].item() == CONTEXT
+    last = int(expected_loss.nonzero().max())
+    assert out["rm_scores"][0, last].item() == pytest.approx(-0.1 + 10.9 - 0.1)
+    assert out["rm_scores"][0].count_nonzero().item() == 1
+
+
+def test_turn_scores_sit_on_each_turns_last_sampled_token(tiny_config, tiny_tokenizer):
+    cfg = tiny_config("_2_sokoban", "agent_proxy.use_turn_scores=True")
+    ctx = ContextManager(cfg, tiny_tokenizer)
+    out = ctx.get_masks_and_scores([_trajectory(tiny_tokenizer)])
+    mask = out["response_mask"][0]
+    ends = [j for j in range(len(mask)) if mask[j] == 1 and (j + 1 == len(mask) or mask[j + 1] == 0)]
+    assert len(ends) == 2
+    assert out["rm_scores"][0, ends[0]].item() == pytest.approx(-0.1)
+    assert out["rm_scores"][0, ends[1]].item() == pytest.approx(10.9 - 0.1)  # the penalty on the last turn
