@@ -17,7 +17,7 @@ from SPA_agent.chat_tokens import SAMPLED, SYSTEM, AssistantTurn, ChatTokenizer
 from SPA_agent.envs import REGISTRY
 from SPA_agent.es_manager import EnvInput
 from SPA_agent.parsing import MODES, parse_response, response_format
-from SPA_agent.rewards import normalize_scores
+from SPA_agent.rewards import normalize_scores, turn_ends
 
 SYSTEM_PROMPT = "You're a helpful assistant. "
 
@@ -155,11 +155,11 @@ class ContextManager:
         if self.use_turn_scores:
             for i, cache in enumerate(caches):
                 rewards = [e["reward"] for e in cache["history"] if "llm_response" in e]
-                turn_ends = _sampled_run_ends(roles[i, 1:] == SAMPLED)
-                for reward, end in zip(rewards, turn_ends):
+                ends = turn_ends(roles[i : i + 1, 1:] == SAMPLED)[0].nonzero().flatten().tolist()
+                for reward, end in zip(rewards, ends):
                     scores[i, end] = float(reward)
-                if turn_ends:
-                    scores[i, turn_ends[-1]] += cache["penalty"]
+                if ends:
+                    scores[i, ends[-1]] += cache["penalty"]
             return scores
         returns = torch.tensor([sum(e.get("reward", 0.0) for e in c["history"]) + c["penalty"] for c in caches])
         normalized = normalize_scores(returns, self._group_keys(caches), self.normalization["method"])
@@ -207,9 +207,3 @@ def aggregate_metrics(per_env: list[Mapping[str, float]]) -> dict[str, float]:
         for key, value in metrics.items():
             values[key].append(float(value))
     return {key: float(np.mean(v)) for key, v in values.items()}
-
-
-def _sampled_run_ends(is_sampled: torch.Tensor) -> list[int]:
-    """Last index of each run of True values in a 1-D bool tensor (one run per assistant turn)."""
-    flags = is_sampled.tolist()
-    return [j for j, flag in enumerate(flags) if flag and (j + 1 == len(flags) or not flags[j + 1])]

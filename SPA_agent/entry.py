@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -13,6 +16,16 @@ from SPA_agent.generators.base import GenerationError, MissingExtraError
 EXIT_USAGE = 2  # user mistakes: bad config value, missing file, a directory that is not a model
 #: what an entry point reports as one line (and exit status 2) instead of a traceback
 USER_ERRORS = (ValueError, FileNotFoundError, MissingExtraError, GenerationError)
+
+
+@contextmanager
+def exit_on_user_error() -> Iterator[None]:
+    """Inside an entry point: a user mistake (USER_ERRORS) prints one line and exits with status 2."""
+    try:
+        yield
+    except USER_ERRORS as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
 
 
 def current_config_name() -> str | None:

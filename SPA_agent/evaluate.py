@@ -22,7 +22,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from SPA_agent import atomic_io
-from SPA_agent.entry import EXIT_USAGE, USER_ERRORS, apply_system_env, load_tokenizer, prepare_config
+from SPA_agent.entry import apply_system_env, exit_on_user_error, load_tokenizer, prepare_config
 from SPA_agent.generators.base import FINISH_ERROR, Generation, Prompt
 from SPA_agent.passk import pass_any, passk_summary
 from SPA_agent.worldmodel import worldmodel_accuracy
@@ -207,13 +207,10 @@ def format_result(result: Mapping) -> str:
 
 @hydra.main(config_path="../config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    try:
+    with exit_on_user_error():
         cfg = prepare_eval_config(cfg)
         apply_system_env(cfg)
         result = evaluate(cfg)
-    except USER_ERRORS as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
     print(format_result(result))
     print(f"results written to {cfg.evaluation.output_dir}")
     if not result["complete"]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import math
 import shutil
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from tqdm.auto import tqdm
 
 from SPA_agent import atomic_io
 from SPA_agent.datagen_card import BatchStats, render_data_card, trajectory_stats
-from SPA_agent.entry import EXIT_USAGE, USER_ERRORS, apply_system_env, load_tokenizer, prepare_config
+from SPA_agent.entry import apply_system_env, exit_on_user_error, load_tokenizer, prepare_config
 from SPA_agent.worldmodel import substitute_states
 
 DATA_FILES = ("wm_train.parquet", "wm_val.parquet")
@@ -227,13 +226,10 @@ def prepare_data_gen_config(cfg: DictConfig, config_name: str | None = None) -> 
 
 @hydra.main(config_path="../config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    try:
+    with exit_on_user_error():
         cfg = prepare_data_gen_config(cfg)
         apply_system_env(cfg)
         card = generate(cfg)
-    except USER_ERRORS as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
     print(render_data_card(card))
     print(f"data written to {cfg.data_gen.output_dir}")
 

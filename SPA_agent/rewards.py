@@ -1,4 +1,4 @@
-"""Reward normalization within groups (spec §6.6). Pure: returns a new tensor."""
+"""Where rewards sit and how they are normalized (spec §6.5–§6.6). Pure functions: they return new tensors."""
 
 from __future__ import annotations
 
@@ -37,3 +37,11 @@ def normalize_scores(scores: torch.Tensor, group_keys: Sequence[Hashable], metho
         normalized = torch.zeros_like(group) if std <= STD_EPS else centered / (std + STD_EPS)
         out[idx] = normalized.clamp(*ASYM_CLIP_RANGE) if method == "asym_clip" else normalized
     return out
+
+
+def turn_ends(response_mask: torch.Tensor) -> torch.Tensor:
+    """(B, L) bool: the last position of each run of 1s in `response_mask` (the end of an assistant turn)."""
+    on = response_mask.bool()
+    next_on = torch.zeros_like(on)
+    next_on[:, :-1] = on[:, 1:]
+    return on & ~next_on

@@ -22,39 +22,11 @@ import statistics
 import time
 
 import torch
+from model_shapes import SHAPES
 
 from SPA_agent.generators.base import Prompt, SamplingParams
 from SPA_agent.generators.hf import HFGenerator
 
-SHAPES = {
-    "0.5b": dict(
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-    ),
-    "1.5b": dict(
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-    ),
-    "tiny": dict(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=2048,
-        tie_word_embeddings=True,
-    ),
-}
 EOS_IDS, PAD_ID = [1, 2], 0  # ids our random prompts never contain
 
 

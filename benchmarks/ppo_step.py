@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from model_shapes import SHAPES
 from verl import DataProto
 
 from SPA_agent.config import compose
@@ -32,12 +33,6 @@ from SPA_agent.generators.base import Prompt
 from SPA_agent.trainer import algos
 from SPA_agent.trainer.local_backend import LocalBackend
 
-SHAPES = {
-    "0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
-                 "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True},
-    "tiny": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
-                 "num_key_value_heads": 2, "vocab_size": 2048, "tie_word_embeddings": True},
-}
 EOS_IDS, PAD_ID = [1, 2], 0  # ids the random prompts never contain
 
 

@@ -22,6 +22,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from model_shapes import SHAPES
 from torch.distributed.device_mesh import init_device_mesh
 
 from sft.fsdp_model import shard
@@ -36,9 +37,6 @@ from sft.packing import (
 from sft.spa_sft_dataset import SftSample
 
 PEAK_FLOPS = 989e12
-QWEN25_15B = {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
-              "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768,
-              "rope_theta": 1e6, "tie_word_embeddings": True}
 
 
 def synthetic_rows(n: int, vocab: int, max_length: int, scale: float, seed: int = 0) -> list[SftSample]:
@@ -142,7 +140,7 @@ def main() -> None:
         cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=True)
     else:
-        cfg = Qwen2Config(**QWEN25_15B)
+        cfg = Qwen2Config(**SHAPES["1.5b"], max_position_embeddings=32768, rope_theta=1e6)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="tcp://127.0.0.1:29555",
                             rank=0, world_size=1)
     rows = synthetic_rows(args.batch * (args.warmup + args.steps), cfg.vocab_size, max_length, scale)

@@ -9,6 +9,7 @@ import dataclasses
 import hashlib
 import random
 import secrets
+from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, ClassVar
@@ -20,7 +21,7 @@ MAX_SEED = 2**32
 """Seeds are integers in [0, 2**32): the legacy numpy generator accepts nothing larger."""
 
 
-class BaseEnv:
+class BaseEnv(ABC):
     """A text environment: `reset` and `step` return the state rendered as the model sees it.
 
     Subclasses set `config` (a dataclass instance) in `__init__` and implement `reset`, `step`,
@@ -31,22 +32,22 @@ class BaseEnv:
     config: Any
     env_type: ClassVar[str] = ""
 
+    @abstractmethod
     def reset(self, seed: int | None = None, mode: str | None = None) -> str:
         """Start the instance of `seed` (a fresh random one if None); `mode` ("train"/"val") is accepted
         for RAGEN's calling convention and ignored. Returns the render."""
-        raise NotImplementedError
 
+    @abstractmethod
     def step(self, action: Any) -> tuple[str, float, bool, dict]:
         """Apply one action; returns (render, reward, done, info)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def render(self) -> str:
         """The current state in the config's `render_mode`."""
-        raise NotImplementedError
 
+    @abstractmethod
     def get_all_actions(self) -> list[str]:
         """Every action name the model may write."""
-        raise NotImplementedError
 
     def close(self) -> None:
         """Release resources (none by default)."""

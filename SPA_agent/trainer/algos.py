@@ -16,6 +16,8 @@ import torch
 from verl.trainer.ppo import core_algos
 from verl.utils import torch_functional as verl_F
 
+from SPA_agent.rewards import turn_ends
+
 # --------------------------------------------------------------------------------------------------------
 # StarPO-S rollout filter (spec §10.3 step 2)
 # --------------------------------------------------------------------------------------------------------
@@ -129,14 +131,6 @@ def gae(
     return core_algos.compute_gae_advantage_return(
         token_level_rewards=token_level_rewards, values=values, response_mask=mask, gamma=gamma, lam=lam
     )
-
-
-def turn_ends(response_mask: torch.Tensor) -> torch.Tensor:
-    """(B, T-1) bool: the last position of each run of 1s in `response_mask` (the end of an assistant turn)."""
-    on = response_mask.bool()
-    next_on = torch.zeros_like(on)
-    next_on[:, :-1] = on[:, 1:]
-    return on & ~next_on
 
 
 def _turn_level_returns(

@@ -22,7 +22,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from SPA_agent.config import CONFIG_DIR
-from SPA_agent.entry import EXIT_USAGE, USER_ERRORS, apply_system_env
+from SPA_agent.entry import apply_system_env, exit_on_user_error
 
 OOM_ADVICE = (
     "out of GPU memory. Lower micro_batch_size_per_gpu (log-prob, value and update micro-batches), "
@@ -84,10 +84,8 @@ def _copy_environment(cfg: DictConfig) -> None:
 def main(cfg: DictConfig) -> None:
     _copy_environment(cfg)
     try:
-        output_dir = run(cfg)
-    except USER_ERRORS as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
+        with exit_on_user_error():
+            output_dir = run(cfg)
     except torch.OutOfMemoryError:
         print(f"error: {OOM_ADVICE}", file=sys.stderr)
         sys.exit(3)
