@@ -52,13 +52,23 @@ def check_runtime(cfg: DictConfig) -> None:
         )
 
 
+#: run in every Ray worker process before it imports verl's workers (Ray's `worker_process_setup_hook`)
+WORKER_SETUP_HOOK = "SPA_agent.trainer.verl_patches.apply"
+
+
+def ray_runtime_env(verl_cfg: DictConfig) -> dict:
+    """verl's PPO runtime environment for the Ray job, plus our worker setup hook (verl_patches)."""
+    from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
+
+    return {**get_ppo_ray_runtime_env(verl_cfg), "worker_process_setup_hook": WORKER_SETUP_HOOK}
+
+
 def start_ray(address: str | None, verl_cfg: DictConfig) -> None:
     """Join the Ray cluster at `address` (None: the one `ray start` made on this machine, else a new local one)."""
     import ray
-    from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
 
     if not ray.is_initialized():
-        ray.init(address=address, runtime_env=get_ppo_ray_runtime_env(verl_cfg))
+        ray.init(address=address, runtime_env=ray_runtime_env(verl_cfg))
 
 
 class VerlWorkers:

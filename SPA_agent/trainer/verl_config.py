@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib.util
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -78,6 +79,18 @@ def filtered_batch_size(cfg: DictConfig) -> int:
     return groups * train.group_size
 
 
+def attention_settings(has_flash_attn: bool) -> dict[str, object]:
+    """Attention of the actor, reference and critic models (verl path → value).
+
+    verl defaults to flash_attention_2 on packed (remove-padding) batches; where flash-attn is not installed, the
+    models use sdpa on padded batches instead (sdpa cannot keep sequences packed into one row apart).
+    """
+    attention = "flash_attention_2" if has_flash_attn else "sdpa"
+    return {f"{model}.{key}": value for model in ("actor_rollout_ref.model", f"{_CRITIC}.model")
+            for key, value in (("override_config.attn_implementation", attention),
+                               ("use_remove_padding", has_flash_attn))}
+
+
 def _derived(cfg: DictConfig) -> dict[str, object]:
     """verl keys computed from ours (verl path → value)."""
     from SPA_agent.tiny import resolve_model_path
@@ -87,6 +100,7 @@ def _derived(cfg: DictConfig) -> dict[str, object]:
     context = cfg.actor_rollout_ref.rollout.max_model_len
     steps = cfg.trainer.total_training_steps
     return {
+        **attention_settings(importlib.util.find_spec("flash_attn") is not None),
         "actor_rollout_ref.model.path": actor_path,
         f"{_CRITIC}.model.path": critic_path,
         f"{_CRITIC}.model.tokenizer_path": actor_path,

@@ -81,3 +81,19 @@ def test_bad_settings_name_the_key(override, message):
     cfg = compose("_2_sokoban", ["model=tiny", *OVERRIDES, override])
     with pytest.raises(ValueError, match=message):
         vc.check_verl_config(cfg, vc.build_verl_config(cfg))
+
+
+@pytest.mark.parametrize("has_flash_attn, attention", [(True, "flash_attention_2"), (False, "sdpa")])
+def test_attention_follows_flash_attn_availability(has_flash_attn, attention):
+    settings = vc.attention_settings(has_flash_attn)
+    for model in ("actor_rollout_ref.model", "critic.model"):
+        assert settings[f"{model}.override_config.attn_implementation"] == attention
+        assert settings[f"{model}.use_remove_padding"] is has_flash_attn  # packed rows need flash-attn's varlen
+
+
+def test_without_flash_attn_verl_builds_sdpa_models_on_padded_batches(configs):
+    # this CPU machine has no flash-attn: verl's typed model configs must not ask for it (they did: issue 16)
+    _, verl_cfg = configs
+    for model in (verl_cfg.actor_rollout_ref.model, verl_cfg.critic.model):
+        typed = omega_conf_to_dataclass(model)
+        assert typed.hf_config._attn_implementation == "sdpa" and typed.use_remove_padding is False

@@ -26,6 +26,7 @@ def _run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     (["--python", "312"], "--python must look like 3.12"),
     (["--have", "/nonexistent/freeze.txt"], "pip freeze > have.txt"),
     (["--split", "lots"], "--split must be a size"),
+    (["--glibc", "2.5"], "--glibc must look like 2.39"),
     (["--frobnicate"], "unknown option --frobnicate"),
 ])
 def test_bad_arguments_exit_2_with_one_line(args, message):
@@ -37,7 +38,7 @@ def test_bad_arguments_exit_2_with_one_line(args, message):
 def test_help_lists_the_options():
     result = _run("--help")
     assert result.returncode == 0
-    for option in ("--have", "--split", "--slim-ray", "--python", "--platform"):
+    for option in ("--have", "--split", "--slim-ray", "--python", "--glibc", "--platform"):
         assert option in result.stdout
 
 
@@ -64,3 +65,14 @@ def test_wheelhouse_skips_host_packages_splits_and_installs_offline(tmp_path):
     imported = subprocess.run([sys.executable, "-c", "import dateutil; print(dateutil.__file__)"], check=False,
                               env={**os.environ, "PYTHONPATH": str(host / "site")}, capture_output=True, text=True)
     assert imported.returncode == 0 and str(host / "site") in imported.stdout
+
+
+@pytest.mark.slow
+def test_host_versions_override_conflicting_pins(tmp_path):
+    # python-dateutil needs six>=1.5: a host with six 1.4.0 keeps it (as a host with transformers 5.17 keeps it
+    # under verl's transformers<5.11 pin) instead of failing the resolution, and six is not fetched
+    (tmp_path / "have.txt").write_text("six==1.4.0\n")
+    result = _run("--out", "wh", "--have", "have.txt", "--glibc", "2.39", "python-dateutil", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    fetched = {p.name.split("-")[0] for p in (tmp_path / "wh").glob("*.whl")}
+    assert "python_dateutil" in fetched and "six" not in fetched, fetched

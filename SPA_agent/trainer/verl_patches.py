@@ -1,0 +1,24 @@
+"""A fix to verl 0.9.1, applied in every Ray worker process (Ray's `worker_process_setup_hook`, see verl_backend).
+
+verl loads the critic's value model with `attn_implementation="flash_attention_2"` hard-coded
+(`verl.utils.model.load_valuehead_model`), so the critic cannot start where flash-attn is not installed, although
+the actor honours `model.override_config.attn_implementation`. `apply` makes the value model load with the
+attention implementation of its config instead (sdpa without flash-attn, see `verl_config._derived`).
+"""
+
+from __future__ import annotations
+
+
+def load_valuehead_model(local_path, torch_dtype, model_config, trust_remote_code):
+    """verl's token-classification value model (one label), with the config's attention implementation."""
+    from transformers import AutoModelForTokenClassification
+
+    return AutoModelForTokenClassification.from_pretrained(
+        pretrained_model_name_or_path=local_path, torch_dtype=torch_dtype, config=model_config,
+        attn_implementation=model_config._attn_implementation, trust_remote_code=trust_remote_code)
+
+
+def apply() -> None:
+    import verl.utils.model as verl_model
+
+    verl_model.load_valuehead_model = load_valuehead_model

@@ -1,0 +1,34 @@
+"""The verl fix applied in every Ray worker: the critic's value model loads without flash-attn (issue 16)."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+from transformers import AutoConfig
+
+from SPA_agent.config import compose
+from SPA_agent.trainer import verl_backend, verl_config, verl_patches
+
+
+def test_value_model_loads_with_the_configs_attention(tiny_dir):
+    import verl.utils.model as verl_model
+
+    original = verl_model.load_valuehead_model
+    try:
+        verl_patches.apply()
+        config = AutoConfig.from_pretrained(tiny_dir, attn_implementation="sdpa")
+        config.num_labels = 1  # as verl's FSDP engine sets it for a value model
+        model = verl_model.load_valuehead_model(str(tiny_dir), torch.float32, config, False)
+    finally:
+        verl_model.load_valuehead_model = original
+    assert type(model).__name__ == "Qwen2ForTokenClassification"
+    assert model.config._attn_implementation == "sdpa" and model.score.out_features == 1
+
+
+def test_every_ray_worker_runs_the_patch():
+    verl_cfg = verl_config.build_verl_config(compose("_2_sokoban", ["model=tiny", "trainer.backend=verl"]))
+    env = verl_backend.ray_runtime_env(verl_cfg)
+    module, function = env["worker_process_setup_hook"].rsplit(".", 1)
+    assert getattr(importlib.import_module(module), function) is verl_patches.apply
+    assert "TOKENIZERS_PARALLELISM" in env["env_vars"]  # verl's own runtime environment is kept
