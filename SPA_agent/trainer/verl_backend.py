@@ -56,19 +56,33 @@ def check_runtime(cfg: DictConfig) -> None:
 WORKER_SETUP_HOOK = "SPA_agent.trainer.verl_patches.apply"
 
 
-def ray_runtime_env(verl_cfg: DictConfig) -> dict:
-    """verl's PPO runtime environment for the Ray job, plus our worker setup hook (verl_patches)."""
+#: with it set, Ray does not restrict each worker's CUDA_VISIBLE_DEVICES (verl_backend.all_gpus_visible)
+ALL_GPUS_VISIBLE_ENV = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+
+
+def ray_runtime_env(verl_cfg: DictConfig, all_gpus_visible: bool) -> dict:
+    """verl's PPO runtime environment for the Ray job, plus our worker setup hook (verl_patches) and, with
+    `all_gpus_visible`, every GPU visible to every worker (each selects its own by Ray's id)."""
     from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
 
-    return {**get_ppo_ray_runtime_env(verl_cfg), "worker_process_setup_hook": WORKER_SETUP_HOOK}
+    env = get_ppo_ray_runtime_env(verl_cfg)
+    if all_gpus_visible:
+        env["env_vars"] = {**env.get("env_vars", {}), ALL_GPUS_VISIBLE_ENV: "1"}
+    return {**env, "worker_process_setup_hook": WORKER_SETUP_HOOK}
 
 
-def start_ray(address: str | None, verl_cfg: DictConfig) -> None:
-    """Join the Ray cluster at `address` (None: the one `ray start` made on this machine, else a new local one)."""
+def start_ray(backend_cfg: DictConfig, verl_cfg: DictConfig) -> None:
+    """Join the Ray cluster at `verl_backend.ray_address` (None: the one `ray start` made on this machine, else a
+    new local one)."""
+    import os
+
     import ray
 
     if not ray.is_initialized():
-        ray.init(address=address, runtime_env=ray_runtime_env(verl_cfg))
+        if backend_cfg.all_gpus_visible:  # a local cluster started here inherits it from this process
+            os.environ.setdefault(ALL_GPUS_VISIBLE_ENV, "1")
+        ray.init(address=backend_cfg.ray_address,
+                 runtime_env=ray_runtime_env(verl_cfg, bool(backend_cfg.all_gpus_visible)))
 
 
 class VerlWorkers:
@@ -145,7 +159,7 @@ class VerlBackend:
         self.has_ref = bool(cfg.actor_rollout_ref.actor.use_ref)
         self.temperature = float(cfg.actor_rollout_ref.rollout.temperature)
         self.sampling = self._sampling_params()
-        start_ray(cfg.verl_backend.ray_address, self.verl_cfg)
+        start_ray(cfg.verl_backend, self.verl_cfg)
         self.workers = VerlWorkers(self.verl_cfg, self.has_ref)
         self._rollout_awake = False
         self._actor_updates = 0

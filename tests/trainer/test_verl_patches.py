@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 
+import pytest
 import torch
 from transformers import AutoConfig
 
@@ -26,9 +27,12 @@ def test_value_model_loads_with_the_configs_attention(tiny_dir):
     assert model.config._attn_implementation == "sdpa" and model.score.out_features == 1
 
 
-def test_every_ray_worker_runs_the_patch():
-    verl_cfg = verl_config.build_verl_config(compose("_2_sokoban", ["model=tiny", "trainer.backend=verl"]))
-    env = verl_backend.ray_runtime_env(verl_cfg)
+@pytest.mark.parametrize("all_gpus_visible", [True, False])
+def test_every_ray_worker_runs_the_patch_and_sees_the_gpus_as_configured(all_gpus_visible):
+    cfg = compose("_2_sokoban", ["model=tiny", "trainer.backend=verl", f"verl_backend.all_gpus_visible={all_gpus_visible}"])
+    env = verl_backend.ray_runtime_env(verl_config.build_verl_config(cfg), cfg.verl_backend.all_gpus_visible)
     module, function = env["worker_process_setup_hook"].rsplit(".", 1)
     assert getattr(importlib.import_module(module), function) is verl_patches.apply
     assert "TOKENIZERS_PARALLELISM" in env["env_vars"]  # verl's own runtime environment is kept
+    # one GPU visible per worker made NCCL stop with "Duplicate GPU detected" on 2× H200 (issue 16)
+    assert (env["env_vars"].get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES") == "1") is all_gpus_visible
