@@ -17,7 +17,9 @@ class FixedResponse:
 
 def test_sudoku_rollout_with_a_non_ascii_digit_move_does_not_raise(tiny_config, tiny_tokenizer):
     cfg = tiny_config("_10_sudoku")
-    proxy = LLMAgentProxy(cfg, FixedResponse("I write a square.</think><answer>²,1,1</answer>"), tiny_tokenizer)
+    proxy = LLMAgentProxy(
+        cfg, FixedResponse("I write a square.</think><answer>²,1,1</answer>"), tiny_tokenizer
+    )
     rollout = proxy.rollout(val=False)
     for state in rollout.states:
         turns = [entry for entry in state["history"] if "llm_response" in entry]
