@@ -116,24 +116,33 @@ ADVERSARIAL = {  # name -> a unit repeated to LENGTH characters, plus an optiona
     "no_answer": ("<think>x</think> ", ""),
     "think_end_run": ("</prediction> </think> <answer>", ""),
     "whitespace": ("<think>" + "</think>" + " " * 50, ""),
+    "one_whitespace_run": ("<think></think>" + " " * LENGTH, ""),
+    "two_whitespace_runs": (
+        "<think> <observation>a</observation><prediction>b</prediction>"
+        + " " * LENGTH
+        + "</think>"
+        + " " * LENGTH,
+        "",
+    ),
 }
 
 
 @contextmanager
 def time_limit(seconds: float):
-    """Raise TimeoutError once `seconds` have passed; the regex engine checks for signals, so a runaway
-    search (the former parser's) ends the test instead of hanging it."""
+    """Raise TimeoutError once this process has used `seconds` of CPU time (so a loaded machine does not
+    matter). The regex engine checks for signals, so a runaway search (the former parser's) ends the test
+    instead of hanging it."""
 
     def fail(signum, frame):
-        raise TimeoutError(f"parsing took more than {seconds} s")
+        raise TimeoutError(f"parsing took more than {seconds} s of CPU time")
 
-    previous = signal.signal(signal.SIGALRM, fail)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    previous = signal.signal(signal.SIGPROF, fail)
+    signal.setitimer(signal.ITIMER_PROF, seconds)
     try:
         yield
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        signal.signal(signal.SIGPROF, previous)
 
 
 @pytest.mark.parametrize("name", sorted(ADVERSARIAL))
