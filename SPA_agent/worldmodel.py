@@ -4,8 +4,8 @@ In `add_worldmodel` mode the model writes its belief about the current state ins
 and about the state after its actions inside `<prediction>…</prediction>` (spec §6.4). These pure functions
 
 - extract those contents (`extract_states`),
-- overwrite them with the environment's true renders (`substitute_states`, spec §8 step 4 — with a replacement
-  *function*, so states containing backslashes are copied verbatim), and
+- overwrite them with the environment's true renders (`substitute_states`, spec §8 step 4 — inserted as plain
+  text, so states containing backslashes are copied verbatim), and
 - score imagined states against true ones (`state_accuracy`, `worldmodel_accuracy`): exact match, per-cell
   accuracy of the grid (Sokoban/FrozenLake rows) or board (Sudoku digits), and exact match of the coordinate
   sentence that `text_with_coordinates` renders add.
@@ -13,12 +13,11 @@ and about the state after its actions inside `<prediction>…</prediction>` (spe
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-OBSERVATION_RE = re.compile(r"<observation>(.*?)</observation>", re.DOTALL)
-PREDICTION_RE = re.compile(r"<prediction>(.*?)</prediction>", re.DOTALL)
+OBSERVATION_TAGS = ("<observation>", "</observation>")
+PREDICTION_TAGS = ("<prediction>", "</prediction>")
 SUDOKU_ROW_MARK = "|"
 
 # Names of the accuracy metrics, in the order they are reported.
@@ -28,9 +27,36 @@ ACCURACY_KEYS = (
 )
 
 
+def block_contents(text: str, tags: tuple[str, str]) -> list[tuple[int, int]]:
+    """[start, end) ranges of the contents of the `open…close` blocks of `text`, left to right: the matches
+    of `re.finditer("open(.*?)close")`, found in linear time (that regex rescans the rest of the text from
+    every opening tag that is never closed, so a long response full of them takes seconds)."""
+    opening, closing = tags
+    ranges, pos = [], 0
+    while (start := text.find(opening, pos)) >= 0:
+        start += len(opening)
+        end = text.find(closing, start)
+        if end < 0:
+            break
+        ranges.append((start, end))
+        pos = end + len(closing)
+    return ranges
+
+
+def _replace_contents(text: str, tags: tuple[str, str], content: str) -> tuple[str, int]:
+    """`text` with the contents of its `tags` blocks replaced by `content`, and the number of blocks."""
+    ranges = block_contents(text, tags)
+    pieces, pos = [], 0
+    for start, end in ranges:
+        pieces += [text[pos:start], content]
+        pos = end
+    return "".join(pieces) + text[pos:], len(ranges)
+
+
 def extract_states(response: str) -> tuple[list[str], list[str]]:
     """Contents of every `<observation>` and every `<prediction>` block of `response`, in order, unstripped."""
-    return OBSERVATION_RE.findall(response), PREDICTION_RE.findall(response)
+    contents = lambda tags: [response[start:end] for start, end in block_contents(response, tags)]
+    return contents(OBSERVATION_TAGS), contents(PREDICTION_TAGS)
 
 
 @dataclass(frozen=True)
@@ -50,8 +76,8 @@ class Substitution:
 def substitute_states(response: str, observation: str, prediction: str) -> Substitution:
     """Overwrite the content of every `<observation>` block with `observation` and of every `<prediction>`
     block with `prediction` (tags kept). The states are inserted literally, whatever characters they hold."""
-    obs_text, num_obs = OBSERVATION_RE.subn(lambda _: f"<observation>{observation}</observation>", response)
-    text, num_pred = PREDICTION_RE.subn(lambda _: f"<prediction>{prediction}</prediction>", obs_text)
+    obs_text, num_obs = _replace_contents(response, OBSERVATION_TAGS, observation)
+    text, num_pred = _replace_contents(obs_text, PREDICTION_TAGS, prediction)
     return Substitution(text=text, num_observations=num_obs, num_predictions=num_pred)
 
 

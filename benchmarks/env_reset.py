@@ -1,15 +1,20 @@
-"""Sokoban room generation: ours (SPA_agent.envs.sokoban_room) against gym-sokoban's `generate_room`.
+"""Sokoban room generation: ours (SPA_agent.envs.sokoban_room) against the plain reference generator.
 
-Both run on the same seeds (global `random` and `numpy.random` seeded per room, as the env does) and the
-rooms must be identical; the script stops with an error otherwise. gym-sokoban is only needed here:
+The reference is `tests/envs/sokoban_reference.py`, a slow transcription of spec §3.2 as written (RAGEN's
+generator: numpy grids copied at every reverse move, a recursive search, `marshal` keys), the same one
+the test fixtures come from. Both run on the same seeds (global `random` and `numpy.random` seeded per
+room, as the env does), stages 1-3 only (no player walk), and the rooms must be identical; the script
+stops with an error otherwise.
 
-    pip install --no-deps gym-sokoban      # its package __init__ needs the old `gym`; we load one file
     python benchmarks/env_reset.py [--seeds 20] [--repeats 3] [--gym-sokoban-dir DIR]
 
-gym-sokoban 0.0.6 searches with 8 reverse actions (4 pulls, then 4 moves that never pull); spec §3.2 and
-our generator use the 4 pulls only. The equality check and the `ratio` lines therefore use gym-sokoban's
-module with its action table restricted to the 4 pulls (`gym_sokoban_4`); the unmodified module
-(`gym_sokoban_8`) is timed too, for reference. Prints one JSON line per measurement.
+If gym-sokoban is installed (`pip install --no-deps gym-sokoban`; only this file is loaded, its package
+needs the old `gym`) or `--gym-sokoban-dir` names its package folder, its `generate_room` is timed too.
+It is a different algorithm: gym-sokoban 0.0.6 passes the old `last_pull` down the search, so it counts
+every pull as a box swap, and its rooms differ from spec §3.2 for some seeds (the output lists them).
+Its search visits the same states, so its time is still comparable. `gym_sokoban_4` is its module with
+the action table cut to the 4 pulls of spec §3.2; `gym_sokoban_8` is unmodified (4 pulls + 4 moves that
+never pull). Prints one JSON line per measurement.
 """
 
 from __future__ import annotations
@@ -28,19 +33,23 @@ from types import ModuleType
 
 import numpy as np
 
-from SPA_agent.envs.sokoban_room import generate_room
+# This checkout's generator and reference, whatever `SPA_agent` the environment has installed.
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "envs")]
+from sokoban_reference import generate_room_core as reference_generate_room  # noqa: E402
+
+from SPA_agent.envs.sokoban_room import generate_room  # noqa: E402
 
 CASES = {"SimpleSokoban": ((6, 6), 1), "HarderSokoban": ((10, 10), 2)}  # tag -> (dim, num_boxes)
 
 
-def load_room_utils(directory: str | None) -> ModuleType:
-    """gym-sokoban's `envs/room_utils.py` as a standalone module (importing the package needs `gym`)."""
+def load_room_utils(directory: str | None) -> ModuleType | None:
+    """gym-sokoban's `envs/room_utils.py` as a standalone module (importing the package needs `gym`);
+    None when no `directory` is given and gym-sokoban is not installed."""
     if directory is None:
         spec = importlib.util.find_spec("gym_sokoban")
         if spec is None or not spec.submodule_search_locations:
-            raise FileNotFoundError(
-                "gym-sokoban not found: `pip install --no-deps gym-sokoban` or pass --gym-sokoban-dir"
-            )
+            return None
         directory = spec.submodule_search_locations[0]
     path = Path(directory) / "envs" / "room_utils.py"
     if not path.exists():
@@ -75,6 +84,21 @@ def as_pair(room) -> tuple[list, list] | None:
     return room.structure.tolist(), room.state.tolist()
 
 
+def implementations(dim, num_boxes, gym_dir: str | None) -> dict[str, Callable[[], object]]:
+    """name -> room generator of stages 1-3 for `dim`, `num_boxes` and search depth 300."""
+    num_steps = int(1.7 * sum(dim))
+    impls = {
+        "ours": partial(generate_room, dim, num_steps, num_boxes, 300, player_walk=False),
+        "reference": partial(reference_generate_room, dim, num_steps, num_boxes, 300),
+    }
+    room_utils_8, room_utils_4 = load_room_utils(gym_dir), load_room_utils(gym_dir)
+    if room_utils_8 is not None:
+        room_utils_4.ACTION_LOOKUP = {k: v for k, v in room_utils_8.ACTION_LOOKUP.items() if k < 4}
+        for name, module in (("gym_sokoban_4", room_utils_4), ("gym_sokoban_8", room_utils_8)):
+            impls[name] = partial(module.generate_room, dim, num_steps=num_steps, num_boxes=num_boxes)
+    return impls
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -82,65 +106,53 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=20, help="rooms per pass (seeds 10000, 10001, ...)")
     parser.add_argument("--repeats", type=int, default=3, help="timed passes per implementation")
     parser.add_argument(
-        "--gym-sokoban-dir", default=None, help="gym_sokoban package folder (default: installed)"
+        "--gym-sokoban-dir", default=None, help="gym_sokoban package folder (default: installed, if any)"
     )
     args = parser.parse_args()
-    try:
-        room_utils_8 = load_room_utils(args.gym_sokoban_dir)
-        room_utils_4 = load_room_utils(args.gym_sokoban_dir)
-    except FileNotFoundError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
-    room_utils_4.ACTION_LOOKUP = {k: v for k, v in room_utils_8.ACTION_LOOKUP.items() if k < 4}
+    if args.seeds < 1 or args.repeats < 1:
+        parser.error("--seeds and --repeats must be at least 1")
     seeds = list(range(10000, 10000 + args.seeds))
     for tag, (dim, num_boxes) in CASES.items():
-        num_steps = int(1.7 * sum(dim))
-        impls = {
-            "ours": partial(generate_room, dim, num_steps, num_boxes, 300, player_walk=False),
-            "gym_sokoban_4": partial(
-                room_utils_4.generate_room, dim, num_steps=num_steps, num_boxes=num_boxes
-            ),
-            "gym_sokoban_8": partial(
-                room_utils_8.generate_room, dim, num_steps=num_steps, num_boxes=num_boxes
-            ),
-        }
+        try:
+            impls = implementations(dim, num_boxes, args.gym_sokoban_dir)
+        except FileNotFoundError as error:
+            print(f"error: {error}", file=sys.stderr)
+            sys.exit(2)
         totals, rooms = {}, {}
         for name, generate in impls.items():
             run_seeds(generate, seeds[:2])  # warm-up
             passes = [run_seeds(generate, seeds) for _ in range(args.repeats)]
             totals[name] = [seconds for seconds, _ in passes]
             rooms[name] = [as_pair(room) for room in passes[0][1]]
-            print(
-                json.dumps(
-                    {
-                        "metric": "room_generation_ms_per_room",
-                        "env": tag,
-                        "impl": name,
-                        "rooms": len(seeds),
-                        "median": 1000 * statistics.median(totals[name]) / len(seeds),
-                        "min": 1000 * min(totals[name]) / len(seeds),
-                        "max": 1000 * max(totals[name]) / len(seeds),
-                        "unit": "ms",
-                    }
-                ),
-                flush=True,
-            )
-        if rooms["ours"] != rooms["gym_sokoban_4"]:
-            bad = [s for s, a, b in zip(seeds, rooms["ours"], rooms["gym_sokoban_4"]) if a != b]
-            raise SystemExit(f"{tag}: rooms differ from gym-sokoban (4 pull actions) for seeds {bad}")
-        for reference in ("gym_sokoban_4", "gym_sokoban_8"):
-            print(
-                json.dumps(
-                    {
-                        "metric": "room_generation_speedup",
-                        "env": tag,
-                        "reference": reference,
-                        "ratio": statistics.median(totals[reference]) / statistics.median(totals["ours"]),
-                        "identical_rooms": reference == "gym_sokoban_4" or rooms["ours"] == rooms[reference],
-                    }
-                ),
-                flush=True,
-            )
+            print(json.dumps(timing_line(tag, name, totals[name], len(seeds))), flush=True)
+        if rooms["ours"] != rooms["reference"]:
+            bad = [s for s, a, b in zip(seeds, rooms["ours"], rooms["reference"]) if a != b]
+            raise SystemExit(f"{tag}: rooms differ from the spec §3.2 reference for seeds {bad}")
+        for other in list(impls)[1:]:  # every implementation after "ours"
+            differing = [s for s, a, b in zip(seeds, rooms["ours"], rooms[other]) if a != b]
+            line = {
+                "metric": "room_generation_speedup",
+                "env": tag,
+                "reference": other,
+                "ratio": statistics.median(totals[other]) / statistics.median(totals["ours"]),
+                "identical_rooms": not differing,
+                "differing_seeds": differing,
+            }
+            print(json.dumps(line), flush=True)
+
+
+def timing_line(tag: str, name: str, seconds: list[float], rooms: int) -> dict:
+    """The JSON record of one implementation's timed passes, in ms per room."""
+    return {
+        "metric": "room_generation_ms_per_room",
+        "env": tag,
+        "impl": name,
+        "rooms": rooms,
+        "median": 1000 * statistics.median(seconds) / rooms,
+        "min": 1000 * min(seconds) / rooms,
+        "max": 1000 * max(seconds) / rooms,
+        "unit": "ms",
+    }
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Sokoban room generation (spec §3.2): gym-sokoban's algorithm plus RAGEN's random player walk.
+"""Sokoban room generation (spec §3.2): RAGEN's copy of gym-sokoban's generator, which SPA uses.
 
 A room is built in four stages, all drawing from the *global* `random` and legacy `numpy.random`
 generators (the caller seeds them, see `base.legacy_global_seed`):
@@ -6,8 +6,13 @@ generators (the caller seeds them, see `base.legacy_global_seed`):
 1. topology: a random walk stamps 3x3 floor masks onto a wall grid;
 2. placement: the player and then each box are put on random floor cells, every box on its own target;
 3. reverse play: a depth-first search "pulls" boxes away from their targets and keeps the state with the
-   highest score = (number of pulls on the path) x (total Manhattan distance of boxes from their targets);
+   highest score = (box swaps on the path) x (total Manhattan distance of boxes from their targets); a pull
+   is a box swap when it moves a different box than the previous pull on the path (the first always is);
 4. (RAGEN) a random walk of up to three player steps.
+
+gym-sokoban 0.0.6 (PyPI) hands the *old* last-pulled box down the search, so it counts every pull as a
+swap and gives a different room for about 6% of the seeds; RAGEN's copy, and this module, hand down the
+updated one, as spec §3.2 step 4 says.
 
 The search is the expensive part. It visits exactly the states of the original recursive search, in the
 same order and with the same tie-breaking, but keeps one flat `bytearray` grid that is changed and
@@ -66,7 +71,7 @@ def generate_room(
 ) -> Room:
     """Generate a room from the current global RNG states; `dim` = (rows, cols).
 
-    With `player_walk=False` this is gym-sokoban's `generate_room` (its search depth is fixed at 300).
+    With `player_walk=False` this is stages 1-3 only (RAGEN's generator without its player walk).
     Raises RoomGenerationError when the seed gives no room.
     """
     rows, cols = dim
@@ -135,8 +140,9 @@ def reverse_play(
     deltas = (-cols, cols, -1, 1)
     grid = state
 
-    def visit(player: int, box_swaps: int, ttl: int, key: bytes) -> None:
+    def visit(player: int, box_swaps: int, last_pull: int, ttl: int, key: bytes) -> None:
         # Entered only for a state not yet explored, with ttl > 0 and the cap not reached.
+        # `last_pull`: index in `boxes` of the box pulled last on this path (-1: none yet).
         score = 0
         if box_swaps and all(grid[t] == TARGET for t in targets):
             score = box_swaps * _displacement(boxes, targets, cols)
@@ -157,6 +163,7 @@ def reverse_play(
             old_behind = grid[behind]
             pull = old_behind == BOX or old_behind == BOX_ON_TARGET
             grid[nxt] = PLAYER
+            k = last_pull
             if pull:
                 k = boxes.index(behind)
                 boxes[k] = player
@@ -165,14 +172,14 @@ def reverse_play(
                 grid[player] = structure[player]
             child = bytes(grid)
             if child not in explored:
-                visit(nxt, box_swaps + pull, ttl, child)
+                visit(nxt, box_swaps + (k != last_pull), k, ttl, child)
             grid[player], grid[nxt] = PLAYER, old_nxt
             if pull:
                 grid[behind] = old_behind
                 boxes[k] = behind
 
     if search_depth > 1:
-        visit(grid.index(PLAYER), 0, search_depth - 1, bytes(grid))
+        visit(grid.index(PLAYER), 0, -1, search_depth - 1, bytes(grid))
     return best[1], best[0], best[2]
 
 

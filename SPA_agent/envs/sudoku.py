@@ -138,22 +138,37 @@ def generate_puzzle(solution: Board, rng: random.Random, clues: int) -> Board:
 
 def parse_move(action: str, size: int = BOX * BOX) -> tuple[int, int, int] | None:
     """Zero-indexed (row, col, value) of `r,c,v` / `r c v` (1-indexed) or `place v at row r col c`;
-    None if the string is not a move on the board."""
+    None if the string is not a move on the board. Numbers are ASCII digits only."""
     tokens = str(action).lower().replace(",", " ").split()
     if "row" in tokens and "col" in tokens:
         i, j = tokens.index("row"), tokens.index("col")
         if i + 1 >= len(tokens) or j + 1 >= len(tokens):
             return None
-        rest = [t for k, t in enumerate(tokens) if k not in (i + 1, j + 1) and t.isdigit()]
+        rest = [t for k, t in enumerate(tokens) if k not in (i + 1, j + 1) and is_ascii_number(t)]
         parts = [tokens[i + 1], tokens[j + 1], rest[0] if rest else ""]
     else:
         parts = tokens[:3]
-    if len(parts) < 3 or not all(p.isdigit() for p in parts):
+    numbers = [board_number(p, size) for p in parts]
+    if len(numbers) < 3 or None in numbers:
         return None
-    r, c, v = (int(p) for p in parts)
-    if not (1 <= r <= size and 1 <= c <= size and 1 <= v <= size):
-        return None
+    r, c, v = numbers
     return r - 1, c - 1, v
+
+
+def is_ascii_number(token: str) -> bool:
+    """True for a non-empty run of the digits 0-9. `str.isdigit` alone also accepts characters such as
+    '²' or '①', which `int` rejects, and other scripts' digits, which `int` reads (spec §3.4: invalid)."""
+    return token.isascii() and token.isdigit()
+
+
+def board_number(token: str, size: int) -> int | None:
+    """The value of `token` if it is an ASCII number in [1, size] (leading zeros allowed), else None.
+    Never calls `int` on a long token: `int` refuses strings of more than 4300 digits."""
+    significant = token.lstrip("0")
+    if not is_ascii_number(token) or len(significant) > len(str(size)):
+        return None
+    value = int(significant or "0")
+    return value if 1 <= value <= size else None
 
 
 class SudokuEnv(BaseEnv):

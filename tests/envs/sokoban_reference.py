@@ -1,7 +1,10 @@
-"""A plain, slow transcription of the room generator of spec §3.2, used only to check the fast one.
+"""A plain, slow transcription of the room generator of spec §3.2 as written (RAGEN's copy of
+gym-sokoban's generator), used only to check the fast one and to write tests/data/.
 
 It keeps the shape of the original algorithm on purpose: numpy grids copied at every reverse move, a
-recursive depth-first search, the explored set keyed by ``marshal.dumps`` of the grid.
+recursive depth-first search, the explored set keyed by ``marshal.dumps`` of the grid. Written from the
+spec, not from gym-sokoban: gym-sokoban 0.0.6 passes the old ``last_pull`` down the search, so it counts
+every pull as a box swap and gives a different room for about 6% of the seeds.
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ class _Search:
         key = marshal.dumps(state)
         if key in self.explored:
             return
-        score = box_swaps * sum(abs(b[0] - t[0]) + abs(b[1] - t[1]) for t, b in mapping.items())
+        score = box_swaps * displacement(mapping)
         if np.where(state == 2)[0].shape[0] != self.num_boxes:
             score = 0
         if score > self.best_score:
@@ -81,8 +84,10 @@ class _Search:
         self.explored.add(key)
         for action in range(4):
             nxt, nxt_mapping, nxt_pull = self.reverse_move(state.copy(), mapping.copy(), last_pull, action)
+            # A swap is counted when a different box is pulled than last time, and the child search
+            # continues from the updated `last_pull` (RAGEN's copy; gym-sokoban 0.0.6 passes the old one).
             swaps = box_swaps + 1 if nxt_pull != last_pull else box_swaps
-            self.dfs(nxt, nxt_mapping, swaps, last_pull, ttl)
+            self.dfs(nxt, nxt_mapping, swaps, nxt_pull, ttl)
 
     def reverse_move(self, state, mapping, last_pull, action):
         where = np.where(state == 5)
@@ -103,6 +108,11 @@ class _Search:
         return state, mapping, last_pull
 
 
+def displacement(mapping):
+    """Sum over boxes of the Manhattan distance from the box to the target it started on."""
+    return sum(abs(b[0] - t[0]) + abs(b[1] - t[1]) for t, b in mapping.items())
+
+
 def reverse_playing(state, structure, search_depth):
     targets = np.where(structure == 2)
     mapping = {(targets[0][i], targets[1][i]): (targets[0][i], targets[1][i]) for i in range(len(targets[0]))}
@@ -113,7 +123,7 @@ def reverse_playing(state, structure, search_depth):
 
 
 def generate_room_core(dim, num_steps, num_boxes, search_depth, p_change_directions=0.35, tries=4):
-    """Steps 1-4 of spec §3.2 (gym-sokoban's generate_room); uses the global RNGs."""
+    """Steps 1-4 of spec §3.2; uses the global RNGs."""
     for _ in range(tries):
         room = place(topology(dim, p_change_directions, num_steps), num_boxes)
         structure = room.copy()
@@ -122,17 +132,16 @@ def generate_room_core(dim, num_steps, num_boxes, search_depth, p_change_directi
         state[state == 2] = 4
         state, score, mapping = reverse_playing(state, structure, search_depth)
         state[state == 3] = 4
-        if score > 0:
+        if displacement(mapping) > 0:
             break
-    if score == 0:
+    if displacement(mapping) == 0:
         raise RuntimeWarning("Generated Model with score == 0")
     return structure, state, mapping
 
 
 def player_walk(structure, state, mapping):
     """RAGEN's random walk of up to three player steps (stage 4), on numpy grids."""
-    displacement = sum(abs(b[0] - t[0]) + abs(b[1] - t[1]) for t, b in mapping.items())
-    if random.random() > (0.8 if displacement == 1 else 0.5):
+    if random.random() > (0.8 if displacement(mapping) == 1 else 0.5):
         return state
     where = np.where(state == 5)
     position = (int(where[0][0]), int(where[1][0]))

@@ -10,7 +10,17 @@ from sokoban_reference import generate_room as reference_room
 
 from SPA_agent.envs import SokobanEnv, SokobanEnvConfig, make_env
 from SPA_agent.envs.base import fallback_seed
-from SPA_agent.envs.sokoban_room import RoomGenerationError, generate_room
+from SPA_agent.envs.sokoban_room import (
+    BOX,
+    FLOOR,
+    PLAYER,
+    TARGET,
+    RoomGenerationError,
+    generate_room,
+    place_boxes_and_player,
+    reverse_play,
+    topology,
+)
 
 # Spec §3.2 (computed there with PYTHONHASHSEED=10000; none of these seeds needs the fallback seed).
 SPEC_ROOMS = {
@@ -81,6 +91,38 @@ def test_fast_generator_matches_live_reference(dim, num_boxes, seeds):
             continue
         room = generate_room(dim, int(1.7 * sum(dim)), num_boxes)
         assert np.array_equal(room.structure, expected[0]) and np.array_equal(room.state, expected[1]), seed
+
+
+# Seeds where gym-sokoban 0.0.6 (every pull counted as a box swap) gives another room than spec §3.2:
+# 10003 from issue 12, and the four validation puzzles (seeds 123-250) it changes.
+SWAP_COUNT_SEEDS = [10003, 141, 148, 159, 239]
+
+
+@pytest.mark.parametrize("seed", SWAP_COUNT_SEEDS)
+def test_env_rooms_match_reference_where_gym_sokoban_differs(seed):
+    env = SokobanEnv()
+    env.reset(seed=seed)
+    structure, state = reference_room(seed, (6, 6), 1)
+    assert env.seed == seed
+    assert np.array_equal(env.room_fixed, structure) and np.array_equal(env.room_state, state)
+
+
+def test_seed_10003_puts_the_player_where_the_original_generator_does():
+    env = make_env("sokoban", {"render_mode": "text_with_coordinates"})
+    assert env.reset(seed=10003).endswith("Player (P) is at (3,1); box (X) is at (3,2); target (O) is at (2,3).")
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_one_box_search_counts_a_single_swap(seed):
+    """With one box every pull after the first moves the same box, so the best score is its displacement."""
+    random.seed(seed)
+    np.random.seed(seed)
+    room = place_boxes_and_player(topology((6, 6), 0.35, 20), 1)
+    structure = bytes(FLOOR if v == PLAYER else v for v in room)
+    best, score, boxes = reverse_play(bytearray(BOX if v == TARGET else v for v in room), structure, 6, 300)
+    (target,) = [i for i, v in enumerate(structure) if v == TARGET]
+    (box,) = boxes
+    assert score == abs(box // 6 - target // 6) + abs(box % 6 - target % 6)
 
 
 def test_seed_without_room_falls_back_to_derived_seed():

@@ -58,10 +58,29 @@ def test_puzzles_have_the_clue_count_and_a_unique_solution(difficulty, clues):
         ("", None),
         ("row col", None),
         ("-1,2,3", None),
+        ("02,001,1", (1, 0, 1)),
+        ("place ² 3 at row 2 col 1", (1, 0, 3)),
     ],
 )
 def test_parse_move(text, move):
     assert parse_move(text) == move
+
+
+# Issue 12: `str.isdigit` is true for these, but they are not ASCII digits ('²', '①' crash `int`;
+# Arabic-Indic and fullwidth digits are read by `int`), and `int` refuses more than 4300 digits.
+NON_ASCII_MOVES = [
+    "²,1,1", "2,①,1", "2,1,٣", "２,1,1", "place ³ at row 2 col 1", "row ² col 1 3", "9" * 5000 + ",1,1",
+]
+
+
+@pytest.mark.parametrize("action", NON_ASCII_MOVES)
+def test_moves_that_are_not_ascii_numbers_are_invalid_actions(action):
+    env = SudokuEnv()
+    before = env.reset(seed=123)
+    obs, reward, done, info = env.step(action)
+    assert parse_move(action) is None
+    assert obs == before and reward == 0.0 and not done
+    assert info == {"success": False, "action_is_valid": False, "action_is_effective": False}
 
 
 def test_valid_move_fills_cell():
