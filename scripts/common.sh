@@ -64,7 +64,7 @@ default_generator() {
 load_experiment() {
     local pipeline="$1" config="$2" settings
     shift 2
-    settings="$(python -m SPA_agent.experiments settings "$pipeline" "$config" --render-mode "${RENDER_MODE:-}" -- "$@")" \
+    settings="$(python -m SPA_agent.experiments settings --render-mode "${RENDER_MODE:-}" "$pipeline" "$config" -- "$@")" \
         || exit 2
     eval "$settings"
 }
