@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Vanilla RL baseline: the same PPO as SPA, from the untouched instruct model (no self-play data, no SFT).
+# Baselines: the same PPO as SPA, from the untouched instruct model (no self-play data, no SFT). By default the
+# paper's "Vanilla RL" (experiment=vanilla_rl: the plain symbol grid, render_mode=text); experiment=
+# state_estimation_rl (or RENDER_MODE=text_with_coordinates) is its "State Estimation RL" row.
 #
-#   bash run_baseline.sh <config> [hydra overrides...]      config: _2_sokoban | _3_frozen_lake | _10_sudoku
+#   bash run_baseline.sh <config> [experiment=<name>] [hydra overrides...]   config: _2_sokoban | _3_frozen_lake | _10_sudoku
 # Environment: MODEL (1.5B; 0.5B, 3B, llama1B, tiny), RENDER_MODE, NGPUS, BASE_DIR (see train_ppo_sfted.sh).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -10,8 +12,11 @@ cd "$(dirname "$0")"
 [ $# -ge 1 ] || die "usage: bash run_baseline.sh <config> [overrides...]"
 CONFIG_NAME="$1"; shift
 check_config "$CONFIG_NAME"
-MODEL="${MODEL:-1.5B}"
-RENDER_MODE="${RENDER_MODE:-text_with_coordinates}"
+load_experiment baseline "$CONFIG_NAME" "$@"
+# shellcheck disable=SC2086
+set -- "$@" $EXP_ARGS
+MODEL="${MODEL:-${EXP_MODEL:-1.5B}}"
+RENDER_MODE="$EXP_RENDER_MODE"
 export MODEL RENDER_MODE
 MODEL_PATH="$(python -c "from SPA_agent.config import compose; print(compose('$CONFIG_NAME', ['model=$(model_preset "$MODEL")']).model_path)")"
-bash ./train_ppo_sfted.sh "$CONFIG_NAME" "$MODEL_PATH" "${CONFIG_NAME}-${MODEL}-${RENDER_MODE}-baseline" "$@"
+bash ./train_ppo_sfted.sh "$CONFIG_NAME" "$MODEL_PATH" "${CONFIG_NAME}-${MODEL}-${RENDER_MODE}-${EXPERIMENT}" "$@"

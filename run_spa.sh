@@ -10,6 +10,10 @@
 #   BT_NUM (rollout batches of data, 5), GENERATOR (data generator: vllm when installed, else hf;
 #   random for MODEL=tiny), NGPUS (detected), OUTPUT_DIR, CHECKPOINT_DIR, BASE_DIR (PPO runs, ./checkpoints),
 #   SFT_OVERRIDES (extra Hydra overrides for the SFT stage, space separated), EVAL_DIR (./evals/<experiment>).
+# A named experiment (`experiment=<name>`, `python -m SPA_agent.experiments list`) sets the render mode, MODEL
+#   and GENERATOR defaults, SFT overrides and data/SFT directory suffixes; without one, RENDER_MODE=text runs
+#   spa_no_state_estimation and the default runs spa. Data of FrozenLake and Sudoku is format-filtered
+#   (data_gen.format_filter=false keeps every row).
 # MODEL=tiny uses CPU-sized settings: 2 data batches of 4 × 2 envs with the random generator, 3 SFT epochs
 # at lr 1e-3, 2 PPO steps, and an evaluation on 4 puzzles × 2 samples.
 set -euo pipefail
@@ -21,19 +25,25 @@ CONFIG_NAME="$1"; CKPT="${2:-last}"; GENERATE_DATA="${3:-False}"; shift $(( $# <
 check_config "$CONFIG_NAME"
 export PYTHONHASHSEED=10000
 
-MODEL="${MODEL:-1.5B}"
-RENDER_MODE="${RENDER_MODE:-text_with_coordinates}"
+load_experiment spa "$CONFIG_NAME" "$@"
+# shellcheck disable=SC2086
+set -- "$@" $EXP_ARGS
+MODEL="${MODEL:-${EXP_MODEL:-1.5B}}"
+RENDER_MODE="$EXP_RENDER_MODE"
 PRESET="$(model_preset "$MODEL")"
 NGPUS="$(gpu_count)"
 EVAL_GENERATOR="$(default_generator)"
 if [ "$MODEL" = tiny ]; then
-    BT_NUM="${BT_NUM:-2}"; GENERATOR="${GENERATOR:-random}"
-    SFT_OVERRIDES="${SFT_OVERRIDES:-optim.lr=1e-3 trainer.total_epochs=3 data.max_tokens_per_micro_batch=2048}"
+    BT_NUM="${BT_NUM:-2}"; GENERATOR="${GENERATOR:-${EXP_DATA_GENERATOR:-random}}"
+    SFT_DEFAULTS="optim.lr=1e-3 trainer.total_epochs=3 data.max_tokens_per_micro_batch=2048"
 else
-    BT_NUM="${BT_NUM:-5}"; GENERATOR="${GENERATOR:-$EVAL_GENERATOR}"
+    BT_NUM="${BT_NUM:-5}"; GENERATOR="${GENERATOR:-${EXP_DATA_GENERATOR:-$EVAL_GENERATOR}}"
+    SFT_DEFAULTS=""
 fi
-OUTPUT_DIR="${OUTPUT_DIR:-./sftdata/${CONFIG_NAME}-${MODEL}-${RENDER_MODE}}"
-CHECKPOINT_DIR="${CHECKPOINT_DIR:-./sftckpt/checkpoints${CONFIG_NAME}-${MODEL}-${RENDER_MODE}-$(model_family "$MODEL")}"
+# SFT overrides, later ones win: CPU-sized defaults, the experiment's, then SFT_OVERRIDES.
+SFT_OVERRIDES="$SFT_DEFAULTS $EXP_SFT_OVERRIDES ${SFT_OVERRIDES:-}"
+OUTPUT_DIR="${OUTPUT_DIR:-./sftdata/${CONFIG_NAME}-${MODEL}-${RENDER_MODE}${EXP_DATA_SUFFIX}}"
+CHECKPOINT_DIR="${CHECKPOINT_DIR:-./sftckpt/checkpoints${CONFIG_NAME}-${MODEL}-${RENDER_MODE}-$(model_family "$MODEL")${EXP_SFT_SUFFIX}}"
 export MODEL RENDER_MODE NGPUS
 
 if [ "$GENERATE_DATA" = True ]; then
@@ -53,7 +63,7 @@ else
     [ -d "$CKPT_PATH" ] || die "no checkpoint '$CKPT_PATH'"
 fi
 
-EXPERIMENT_NAME="${CONFIG_NAME}-${MODEL}-${RENDER_MODE}-spa-$(basename "$CKPT_PATH")"
+EXPERIMENT_NAME="${CONFIG_NAME}-${MODEL}-${RENDER_MODE}-${EXPERIMENT}-$(basename "$CKPT_PATH")"
 RUN_DIR="${BASE_DIR:-./checkpoints}/$CONFIG_NAME/$EXPERIMENT_NAME"
 echo "== stage 3: PPO from $CKPT_PATH -> $RUN_DIR"
 bash ./train_ppo_sfted.sh "$CONFIG_NAME" "$CKPT_PATH" "$EXPERIMENT_NAME" "$@"

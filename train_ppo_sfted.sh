@@ -2,9 +2,9 @@
 # PPO (stage 3) from a checkpoint: an SFT checkpoint for SPA, the instruct model for the baseline.
 #
 #   bash train_ppo_sfted.sh <config> <checkpoint path | hub id | tiny> <experiment name> [hydra overrides...]
-# Environment: MODEL (1.5B; 0.5B, 3B, llama1B, tiny: selects CPU-sized settings), RENDER_MODE
-#   (text_with_coordinates), NGPUS (detected), BASE_DIR (runs go to $BASE_DIR/<config>/<experiment>,
-#   default ./checkpoints), TOTAL_STEPS (1000; 2 for tiny), ROLLOUT_TP (vLLM tensor parallel size with
+# Environment: MODEL (1.5B; 0.5B, 3B, llama1B, tiny: selects CPU-sized settings), RENDER_MODE (default: the
+#   config's, text_with_coordinates unless an experiment=<name> sets it), NGPUS (detected), BASE_DIR (runs go
+#   to $BASE_DIR/<config>/<experiment>, default ./checkpoints), TOTAL_STEPS (1000; 2 for tiny), ROLLOUT_TP (vLLM tensor parallel size with
 #   more than one GPU; default: all of them).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -15,7 +15,8 @@ CONFIG_NAME="$1"; CKPT="$2"; EXPERIMENT_NAME="$3"; shift 3
 check_config "$CONFIG_NAME"
 export PYTHONHASHSEED=10000
 MODEL="${MODEL:-1.5B}"
-RENDER_MODE="${RENDER_MODE:-text_with_coordinates}"
+# RENDER_MODE, when set, overrides the config (and an experiment=<name>); unset, the config decides.
+RENDER_ARGS=(); [ -n "${RENDER_MODE:-}" ] && RENDER_ARGS=(render_mode="$RENDER_MODE")
 BASE_DIR="${BASE_DIR:-./checkpoints}"
 NGPUS="$(gpu_count)"
 PRESET="$(model_preset "$MODEL")"
@@ -31,7 +32,7 @@ if [ "$NGPUS" -gt 1 ]; then
 fi
 
 python -m SPA_agent.trainer.main_ppo --config-name "$CONFIG_NAME" model="$PRESET" \
-    model_path="$CKPT" render_mode="$RENDER_MODE" "${BACKEND_ARGS[@]}" \
+    model_path="$CKPT" "${RENDER_ARGS[@]}" "${BACKEND_ARGS[@]}" \
     trainer.n_gpus_per_node="$(( NGPUS > 0 ? NGPUS : 1 ))" \
     trainer.total_training_steps="$TOTAL_STEPS" trainer.save_freq=100 \
     trainer.experiment_name="$EXPERIMENT_NAME" \

@@ -80,6 +80,8 @@ class BatchStats:
             "max_new_tokens": cfg.actor_rollout_ref.rollout.response_length,
             "split": {"by": cfg.data_gen.split_by, "val_fraction": cfg.data_gen.val_fraction,
                       "seed": cfg.data_gen.split_seed},
+            "state_targets": cfg.data_gen.state_targets,
+            "format_filter": bool(cfg.data_gen.format_filter),
             "num_trajectories": self.trajectories,
             "num_rows": self.turns,
             **counts,
@@ -130,5 +132,10 @@ def render_data_card(card: Mapping[str, Any]) -> str:
         lines.append(f"| {key} | {_fmt(value)} |")
     lines += ["", ("`self_belief_accuracy`: the model's own <observation>/<prediction> contents against the true "
                    "states, before substitution (exact match, per-cell, coordinate sentence), over turns that had the "
-                   "block.")]
+                   "block."),
+              ("`state_targets`: what the model's <observation>/<prediction> blocks hold: `ground_truth` (the environment's "
+               "states, SPA), `self_belief` (the model's own, no substitution) or `random_coordinates` (true grids, "
+               "i.i.d. random coordinates). `format_filter`: true = only rows whose response has <think> with "
+               "<observation> before <prediction>, before <answer> were kept (num_train/num_val count them; "
+               "num_rows_before_format_filter all rows), as in the released FrozenLake and Sudoku data.")]
     return "\n".join(lines) + "\n"

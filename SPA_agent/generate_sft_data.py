@@ -25,7 +25,9 @@ import pyarrow as pa
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from sft.filter_sft_by_tag import has_worldmodel_format
 from SPA_agent import atomic_io
+from SPA_agent.data_variants import STATE_TARGETS, state_targets
 from SPA_agent.datagen_card import BatchStats, render_data_card, trajectory_stats
 from SPA_agent.entry import apply_system_env, exit_on_user_error, load_tokenizer, prepare_config
 from SPA_agent.worldmodel import substitute_states
@@ -78,13 +80,16 @@ def trajectory_rows(messages: list[dict], record: Mapping, trajectory_id: int, d
     return rows
 
 
-def rollout_records(proxy, states: list[Mapping], first_id: int, env_types: Mapping[str, str]) -> tuple[list, list]:
-    """Rows and raw trajectory records of one rollout; trajectory ids start at `first_id`."""
+def rollout_records(proxy, states: list[Mapping], first_id: int, env_types: Mapping[str, str],
+                    targets: str = "ground_truth", seed: int = 0) -> tuple[list, list]:
+    """Rows and raw trajectory records of one rollout; trajectory ids start at `first_id`. `targets` picks the
+    states written into the model's blocks (data_variants.STATE_TARGETS; random draws seeded per trajectory)."""
     rows, trajectories = [], []
     for offset, record in enumerate(states):
         true_states = [entry["state"] for entry in record["history"]]
         raw_messages = proxy.messages(record, normalized=True)
-        messages, _ = substitute_trajectory(raw_messages, true_states)
+        written = state_targets(true_states, targets, np.random.default_rng([seed, first_id + offset]))
+        messages = raw_messages if written is None else substitute_trajectory(raw_messages, written)[0]
         rows += trajectory_rows(messages, record, first_id + offset, env_types[record["tag"]])
         trajectories.append({
             "trajectory_id": first_id + offset, "tag": record["tag"], "seed": int(record["seed"]),
@@ -94,6 +99,12 @@ def rollout_records(proxy, states: list[Mapping], first_id: int, env_types: Mapp
             "success": record["metrics"][f"{record['tag']}/success"],
         })
     return rows, trajectories
+
+
+def format_filtered(rows: list[dict]) -> list[dict]:
+    """The rows whose response is in the world-model format (sft/filter_sft_by_tag.py's check, no de-duplication:
+    the released FrozenLake and Sudoku data were filtered this way, spec §2.1, §8)."""
+    return [row for row in rows if has_worldmodel_format(row["response"])]
 
 
 # --- split and tables ---------------------------------------------------------------------------------
@@ -166,7 +177,8 @@ def run_batches(cfg: DictConfig, proxy, out_dir: Path) -> list[dict]:
     for b in tqdm(range(len(shards), dg.num_batches), desc="data batches", initial=len(shards), total=dg.num_batches):
         rollout = proxy.rollout(val=False)
         first_id = b * len(rollout.states)
-        rows, trajectories = rollout_records(proxy, rollout.states, first_id, env_types)
+        rows, trajectories = rollout_records(proxy, rollout.states, first_id, env_types, dg.state_targets,
+                                             dg.split_seed)
         shard = {"batch": b, "rows": rows, "trajectories": trajectories,
                  "stats": trajectory_stats(rollout.states).as_dict(), "proxy_state": proxy.state_dict()}
         atomic_io.write_json(partial / f"batch_{b:05d}.json", shard)
@@ -180,6 +192,12 @@ def write_outputs(cfg: DictConfig, out_dir: Path, shards: list[dict]) -> dict:
     dg = cfg.data_gen
     rows = [row for shard in shards for row in shard["rows"]]
     train, val = split_rows(rows, dg.split_by, dg.val_fraction, dg.split_seed)
+    num_rows_before_filter = len(train) + len(val)
+    if dg.format_filter:
+        train, val = format_filtered(train), format_filtered(val)
+        if not train:
+            raise ValueError(f"the format filter kept no training row of {num_rows_before_filter}: the model "
+                             "never answered in the world-model format; pass data_gen.format_filter=false")
     tables = {"wm_train": rows_table(train, "train", dg), "wm_val": rows_table(val, "test", dg)}
     for name, table in tables.items():
         atomic_io.write_parquet(out_dir / f"{name}.parquet", table)
@@ -191,7 +209,8 @@ def write_outputs(cfg: DictConfig, out_dir: Path, shards: list[dict]) -> dict:
                               [t for shard in shards for t in shard["trajectories"]])
     atomic_io.write_text(out_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     stats = BatchStats.merge(BatchStats.from_dict(shard["stats"]) for shard in shards)
-    card = stats.card(cfg, num_train=len(train), num_val=len(val),
+    card = stats.card(cfg, num_rows_before_format_filter=num_rows_before_filter, num_train=len(train),
+                      num_val=len(val),
                       num_train_trajectories=len({r["trajectory_id"] for r in train}),
                       num_val_trajectories=len({r["trajectory_id"] for r in val}))
     atomic_io.write_text(out_dir / "data_card.md", render_data_card(card))
@@ -221,6 +240,8 @@ def prepare_data_gen_config(cfg: DictConfig, config_name: str | None = None) -> 
     cfg.ctx_manager.mode = cfg.data_gen.prompt_mode
     if cfg.data_gen.num_batches < 1:
         raise ValueError(f"data_gen.num_batches must be >= 1, got {cfg.data_gen.num_batches}")
+    if cfg.data_gen.state_targets not in STATE_TARGETS:
+        raise ValueError(f"data_gen.state_targets must be one of {STATE_TARGETS}, got {cfg.data_gen.state_targets!r}")
     return cfg
 
 

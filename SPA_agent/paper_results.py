@@ -7,7 +7,8 @@ from __future__ import annotations
 SOURCE = "SPA paper (arXiv 2510.15047), Table 2/7 — reported, not measured here"
 ENVS = ("Sokoban", "FrozenLake", "Sudoku")
 # Our env tags → the paper's environment names.
-TAG_TO_ENV = {"SimpleSokoban": "Sokoban", "FrozenLake": "FrozenLake", "Sudoku": "Sudoku"}
+TAG_TO_ENV = {"SimpleSokoban": "Sokoban", "HarderSokoban": "Sokoban", "FrozenLake": "FrozenLake",
+              "FrozenLake6x6": "FrozenLake", "Sudoku": "Sudoku"}
 
 
 def _row(*values: float) -> dict[str, tuple[float, float]]:
@@ -62,3 +63,47 @@ MODEL_SIZE_TO_PAPER = {
     "0.5B": "Qwen2.5-0.5B-Instruct", "1.5B": "Qwen2.5-1.5B-Instruct", "3B": "Qwen2.5-3B (FrozenLake 6x6)",
     "llama1B": "LLaMA3.2-1B-Instruct",
 }
+
+# Paper rows of the named experiments (`experiment_info.paper` in config/experiment/*.yaml).
+# A main-table row: the method's numbers per model and env come from MAIN_RESULTS.
+MAIN_ROWS = {
+    "Table 2/7: Vanilla RL (PPO)": "Vanilla RL (PPO)",
+    "Table 2/7: State Estimation RL": "State Estimation RL",
+    "Table 2/7: SPA": "SPA",
+    "Table 7: SPA, Qwen2.5-3B on FrozenLake 6x6": "SPA",
+}
+# An ablation reported for one model and env: (paper model or None where the table does not name it, paper env,
+# pass@1 %, pass@k %, k).
+ABLATION_ROWS: dict[str, tuple[str | None, str, float, float, int | str]] = {
+    "Table 3: SPA with self-belief SFT": ("Qwen2.5-1.5B-Instruct", "Sokoban", 39.2, 44.2, 8),
+    "Table 4: SPA w/o State Estimation": ("Qwen2.5-1.5B-Instruct", "Sokoban", 36.3, 40.6, 8),
+    "Table 5: SPA, 1-epoch SFT": ("Qwen2.5-1.5B-Instruct", "Sokoban", 29.2, 52.7, 8),
+    "Table 5: SPA, 1-epoch SFT on random-action data": ("Qwen2.5-1.5B-Instruct", "Sokoban", 0.14, 0.39, 8),
+    "Table 5: SPA, 5-epoch SFT on random-action data": ("Qwen2.5-1.5B-Instruct", "Sokoban", 20.2, 50.0, 8),
+    "Table 6: Sokoban simple -> complex": (None, "Sokoban", 0.9, 3.1, "k"),
+    "Table 6: Sokoban -> FrozenLake": (None, "FrozenLake", 15.9, 49.2, "k"),
+    "Fig. 9: Easy2Hard SPA (FrozenLake 4x4 -> 6x6)": ("Qwen2.5-3B (FrozenLake 6x6)", "FrozenLake", 32.6, 35.9, 8),
+}
+# Rows the paper shows only in a figure, and our additions: no numbers to compare with.
+NO_NUMBERS = (
+    "§4.1 Fig. 4: states masked in SFT",
+    "§4.2 Fig. 5: random coordinates",
+    "§4.3 Fig. 8: SFT without format filtering",
+    "Beyond the paper: SPA with GRPO advantages",
+    "Beyond the paper: SPA with bi-level GAE",
+)
+PAPER_ROWS = (*MAIN_ROWS, *ABLATION_ROWS, *NO_NUMBERS)
+
+
+def paper_numbers(row: str, model: str | None, env: str) -> str:
+    """The paper's numbers of `row` for a run of `model` (a MAIN_RESULTS key, None = unknown) on `env`, as text:
+    "P@1 59.8 / P@8 69.5", "figure only", or "—" where the paper reports that row for another model or env."""
+    if row in MAIN_ROWS:
+        values = MAIN_RESULTS.get(model or "", {}).get(MAIN_ROWS[row], {}).get(env)
+        return f"P@1 {values[0]:.1f} / P@8 {values[1]:.1f}" if values else "—"
+    if row in ABLATION_ROWS:
+        paper_model, paper_env, pass1, passk, k = ABLATION_ROWS[row]
+        if env != paper_env or (paper_model is not None and model != paper_model):
+            return "—"
+        return f"P@1 {pass1:g} / P@{k} {passk:g}"
+    return "figure only" if row in NO_NUMBERS[:3] else "not in the paper"

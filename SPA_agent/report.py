@@ -4,7 +4,9 @@
 
 A run directory is an evaluation (eval.json, from `SPA_agent.evaluate`) or a PPO run (metrics.jsonl with
 `val-env/<Tag>/success` and `val-env/<Tag>/pass@<G>`; its final and best validation steps are reported).
-Numbers are percentages, as in the paper.
+Numbers are percentages, as in the paper. Runs of a named experiment (`experiment=<name>`, config/experiment/)
+are labelled with its name and the paper row it corresponds to, with the paper's numbers for that row, model
+and env where the paper reports them.
 """
 
 from __future__ import annotations
@@ -14,14 +16,40 @@ import json
 import re
 import sys
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 from SPA_agent import atomic_io
-from SPA_agent.paper_results import ENVS, MAIN_RESULTS, MODEL_SIZE_TO_PAPER, SOURCE, TAG_TO_ENV
+from SPA_agent.paper_results import ENVS, MAIN_RESULTS, MODEL_SIZE_TO_PAPER, SOURCE, TAG_TO_ENV, paper_numbers
 from SPA_agent.plots import read_metrics_jsonl
 
 HEADER = ("| run | env | source | Pass@1 | any-of-n (Pass@n) | unbiased pass@k [95% CI] | puzzles × samples "
-          "| status |\n|---|---|---|---|---|---|---|---|")
+          "| status | experiment | paper row: the paper's numbers |\n|---|---|---|---|---|---|---|---|---|---|")
+
+
+@dataclass(frozen=True)
+class RunLabel:
+    """The named experiment of a run (config/experiment/) and the paper model of its model preset."""
+
+    experiment: str | None
+    paper_row: str | None
+    paper_model: str | None
+
+    def cells(self, tag: str) -> str:
+        """The `experiment` and `paper row` cells of a row for env `tag`."""
+        if not self.experiment or not self.paper_row:
+            return "— | —"
+        numbers = paper_numbers(self.paper_row, self.paper_model, TAG_TO_ENV.get(tag, tag))
+        return f"{self.experiment} | {self.paper_row}: {numbers}"
+
+
+def run_label(config: Mapping | None) -> RunLabel:
+    """The label of a run from its composed config (eval.json's `config`, a PPO run's config.yaml)."""
+    config = config or {}
+    info = config.get("experiment_info") or {}
+    return RunLabel(info.get("name"), info.get("paper"), MODEL_SIZE_TO_PAPER.get(str(config.get("model_size"))))
 
 
 def _pct(value: float | None) -> str:
@@ -30,7 +58,7 @@ def _pct(value: float | None) -> str:
 
 def eval_rows(run: Path, result: Mapping) -> list[str]:
     """Rows of an evaluation directory: one per env tag."""
-    rows, n = [], result["n"]
+    rows, n, label = [], result["n"], run_label(result.get("config"))
     status = "complete" if result["complete"] else f"INCOMPLETE ({result.get('error') or 'failed requests'})"
     for tag, m in result["metrics"].items():
         ks = sorted(int(x.group(1)) for key in m if (x := re.fullmatch(r"pass@(\d+)", key)))
@@ -38,13 +66,15 @@ def eval_rows(run: Path, result: Mapping) -> list[str]:
                           f"{_pct(m[f'pass@{k}_ci_high'])}]" for k in ks if k > 1) or "—"
         rows.append(f"| {run.name} | {tag} | eval: {result['model_name']} | {_pct(m.get('success'))} | "
                     f"{_pct(m.get(f'pass_any@{n}'))} (n={n}) | {passk} | "
-                    f"{m.get('num_puzzles', '?')} × {n * result.get('repeats', 1)} | {status} |")
+                    f"{m.get('num_puzzles', '?')} × {n * result.get('repeats', 1)} | {status} | "
+                    f"{label.cells(tag)} |")
     return rows
 
 
 def ppo_rows(run: Path) -> list[str]:
     """Rows of a PPO run directory: the final validation step and the step with the best success, per tag."""
-    rows = []
+    rows, config_file = [], run / "config.yaml"
+    experiment = run_label(OmegaConf.to_container(OmegaConf.load(config_file)) if config_file.is_file() else None)
     for tag, series in sorted(read_metrics_jsonl(run / "metrics.jsonl").items()):
         success = dict(series.get("success", []))
         any_key = next((k for k in sorted(series) if k.startswith("pass@")), None)
@@ -54,7 +84,7 @@ def ppo_rows(run: Path) -> list[str]:
         final, best = max(success), max(success, key=lambda s: (success[s], -s))
         for label, step in (("final", final), ("best", best)):
             rows.append(f"| {run.name} | {tag} | PPO {label} (step {step}) | {_pct(success[step])} | "
-                        f"{_pct(any_n.get(step))} ({any_key or '—'}) | — | val | complete |")
+                        f"{_pct(any_n.get(step))} ({any_key or '—'}) | — | val | complete | {experiment.cells(tag)} |")
     return rows
 
 

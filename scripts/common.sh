@@ -57,3 +57,14 @@ latest_checkpoint() {
 default_generator() {
     if python -c "import vllm" >/dev/null 2>&1; then echo vllm; else echo hf; fi
 }
+
+# load_experiment PIPELINE CONFIG OVERRIDES...: set EXPERIMENT, EXP_ARGS, EXP_RENDER_MODE, EXP_MODEL,
+# EXP_DATA_GENERATOR, EXP_DATA_SUFFIX, EXP_SFT_SUFFIX, EXP_SFT_OVERRIDES from the experiment named by an
+# `experiment=<name>` override (else the script's default for RENDER_MODE); see SPA_agent/experiments.py.
+load_experiment() {
+    local pipeline="$1" config="$2" settings
+    shift 2
+    settings="$(python -m SPA_agent.experiments settings --render-mode "${RENDER_MODE:-}" "$pipeline" "$config" -- "$@")" \
+        || exit 2
+    eval "$settings"
+}

@@ -12,6 +12,7 @@ tokens, so the update does not depend on the micro-batch split or the number of 
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import socket
@@ -51,10 +52,25 @@ from SPA_agent.tiny import resolve_model_path
 FLEX_PAD_MULTIPLE = 512
 
 
+def check_attention(cfg: DictConfig, use_cuda: bool) -> None:
+    """`flash_attention_2` needs the flash-attn package and a CUDA GPU: say so in one line instead of failing
+    inside transformers. With it, packed rows stay padding-free: transformers reads the sample boundaries from
+    the restarting position ids and calls flash-attn's variable-length kernel."""
+    if cfg.model.attn_implementation != "flash_attention_2":
+        return
+    if importlib.util.find_spec("flash_attn") is None:
+        raise ValueError("model.attn_implementation=flash_attention_2 needs the flash-attn package "
+                         "(pip install flash-attn --no-build-isolation); the default `auto` needs none")
+    if not use_cuda:
+        raise ValueError("model.attn_implementation=flash_attention_2 runs on CUDA GPUs only; use sdpa on CPU")
+
+
 def resolve_kernel_choices(cfg: DictConfig, use_cuda: bool) -> None:
     """Fill in the `auto` kernel settings: flex attention on GPU, whose block mask skips the attention between
     packed rows (SDPA's dense block-diagonal mask does not), with packed rows padded to a multiple of 512 so that
-    it compiles for few shapes; SDPA and no padding on CPU."""
+    it compiles for few shapes; SDPA and no padding on CPU. flex_attention ships with torch, so `auto` needs no
+    extra package; flash_attention_2 (also padding-free on packed rows) is accepted when flash-attn is installed."""
+    check_attention(cfg, use_cuda)
     if cfg.model.attn_implementation == "auto":
         cfg.model.attn_implementation = "flex_attention" if use_cuda else "sdpa"
     if cfg.data.pad_packed_to_multiple == "auto":
@@ -82,6 +98,8 @@ class SftTrainer:
     def preflight(self) -> None:
         """Check config and data (batch sizes, files, schema, lengths) without process groups or a model."""
         self._check_batch_sizes()
+        wanted = self.cfg.trainer.device
+        check_attention(self.cfg, torch.cuda.is_available() if wanted == "auto" else wanted == "cuda")
         self.model_path = resolve_model_path(self.cfg.model.partial_pretrain)
         self._build_data()
 

@@ -100,7 +100,8 @@ def test_same_config_gives_byte_identical_parquet(generator, tmp_path):
         cfg = data_gen_config("_3_frozen_lake", tmp_path / str(run), f"generator={generator}",
                               "actor_rollout_ref.rollout.response_length=8", "agent_proxy.max_turn=2",
                               "es_manager.train.env_groups=1", "es_manager.train.group_size=2",
-                              "es_manager.train.env_configs.n_groups=[1]", num_batches=1)
+                              "es_manager.train.env_configs.n_groups=[1]", "data_gen.format_filter=false",
+                              num_batches=1)
         cfg.data_gen.output_dir = str(tmp_path / "same")  # same config, fresh run each time
         generate(cfg)
         outputs.append({name: (tmp_path / "same" / name).read_bytes() for name in (*DATA_FILES, CARD_FILE)})
