@@ -13,6 +13,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
+import shutil
 import subprocess
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
@@ -185,3 +186,37 @@ def check(directory: Path, identity: RunIdentity, fresh_hint: str) -> bool:
         raise RunMismatchError(f"{directory} holds a run made with other settings: {listed}. To replace it "
                                f"{fresh_hint}; or choose another output directory")
     return True
+
+
+# --- a stage's output directory -----------------------------------------------------------------------
+def owned_files(directory: Path, owned: Iterable[str]) -> list[Path]:
+    """The paths in `directory` matching the stage's own output patterns (`global_step_*`, `metrics.jsonl`)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted({path for pattern in owned for path in directory.glob(pattern)})
+
+
+def check_run_dir(directory: Path, identity: RunIdentity, resume: bool, owned: Iterable[str],
+                  fresh_hint: str) -> bool:
+    """Whether the run in `directory` may be continued (read-only). With `resume`, a run of another identity,
+    or outputs with no recorded identity (an older version's), raise RunMismatchError; without, nothing is
+    continued and `reset_run_dir` replaces what is there."""
+    if not resume:
+        return False
+    if check(directory, identity, fresh_hint):
+        return True
+    if owned_files(directory, [p for p in owned if p != IDENTITY_FILE]):
+        raise RunMismatchError(f"{directory} holds outputs but no {IDENTITY_FILE} (an older version's run); to "
+                               f"replace them {fresh_hint}; or choose another output directory")
+    return False
+
+
+def reset_run_dir(directory: Path, identity: RunIdentity, owned: Iterable[str]) -> None:
+    """Start a fresh run: remove the stage's own outputs (other files are left alone) and record `identity`."""
+    for path in owned_files(directory, owned):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    record(directory, identity)
