@@ -76,9 +76,6 @@ class EnvStateManager:
             raise ValueError(f"split must be 'train' or 'val', got {split!r}")
         self.split = split
         es_cfg = config["es_manager"][split]
-    if int(es_cfg["env_groups"]) < 1 or int(es_cfg["group_size"]) < 1:
-        raise ValueError(f"es_manager.{split}.env_groups and group_size must be >= 1, got "
-                         f"{es_cfg['env_groups']} and {es_cfg['group_size']}")
         self.group_size = int(es_cfg["group_size"])
         self.env_groups = int(es_cfg["env_groups"])
         self.format_penalty = float(config["es_manager"]["format_penalty"])

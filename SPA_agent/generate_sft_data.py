@@ -27,15 +27,14 @@ import pyarrow as pa
 from omegaconf import DictConfig, OmegaConf
 
 from SPA_agent import atomic_io, run_identity
-from SPA_agent.datagen_card import BatchStats, render_data_card, trajectory_stats
+from SPA_agent.datagen_card import CARD_FILE, PARTIAL_DIR, BatchStats, render_data_card, trajectory_stats
 from SPA_agent.dir_lock import DirLock
 from SPA_agent.entry import apply_system_env, exit_on_user_error, load_tokenizer, prepare_config
 from SPA_agent.progress import progress_bar
 from SPA_agent.worldmodel import substitute_states
 
 DATA_FILES = ("wm_train.parquet", "wm_val.parquet")
-CARD_FILE = "data_card.json"  # written last: its presence marks a complete dataset
-PARTIAL_DIR = ".partial"  # batch shards of an unfinished run; the new dataset is staged in .partial/final
+# Unfinished runs keep batch shards in PARTIAL_DIR; the new dataset is staged in PARTIAL_DIR/final.
 OUTPUT_FILES = ("wm_train.parquet", "wm_val.parquet", "wm_train.csv", "wm_val.csv", "raw_trajectories.jsonl",
                 "config.yaml", "data_card.md", run_identity.IDENTITY_FILE, CARD_FILE)
 MESSAGE_TYPE = pa.struct([("content", pa.string()), ("role", pa.string())])

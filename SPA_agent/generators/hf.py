@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from SPA_agent.progress import progress_bar
 from SPA_agent.generators.base import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -29,6 +28,7 @@ from SPA_agent.generators.base import (
     call_seed,
     stop_token_ids,
 )
+from SPA_agent.progress import progress_bar
 
 DECODERS = ("auto", "generate", "static")
 
