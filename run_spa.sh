@@ -9,7 +9,8 @@
 # Environment: MODEL (1.5B; 0.5B, 3B, llama1B, tiny), RENDER_MODE (text_with_coordinates | text),
 #   BT_NUM (rollout batches of data, 5), GENERATOR (data generator: vllm when installed, else hf;
 #   random for MODEL=tiny), NGPUS (detected), OUTPUT_DIR, CHECKPOINT_DIR, BASE_DIR (PPO runs, ./checkpoints),
-#   SFT_OVERRIDES (extra Hydra overrides for the SFT stage, space separated), EVAL_DIR (./evals/<experiment>).
+#   SFT_OVERRIDES (extra Hydra overrides for the SFT stage, space separated), EVAL_DIR (./evals/<experiment>),
+#   RESUME (0: every stage starts fresh in its directory, the default; 1: continue runs with the same settings).
 # MODEL=tiny uses CPU-sized settings: 2 data batches of 4 × 2 envs with the random generator, 3 SFT epochs
 # at lr 1e-3, 2 PPO steps, and an evaluation on 4 puzzles × 2 samples.
 set -euo pipefail
@@ -19,6 +20,12 @@ cd "$(dirname "$0")"
 [ $# -ge 1 ] || die "usage: bash run_spa.sh <config> [ckpt=last] [generate_data=False] [overrides...]"
 CONFIG_NAME="$1"; CKPT="${2:-last}"; GENERATE_DATA="${3:-False}"; shift $(( $# < 3 ? $# : 3 ))
 check_config "$CONFIG_NAME"
+case "${GENERATE_DATA,,}" in
+    true) GENERATE_DATA=True ;;
+    false) GENERATE_DATA=False ;;
+    *) die "generate_data must be True or False, got '$GENERATE_DATA'" ;;
+esac
+DATA_RESUME=false; is_resume && DATA_RESUME=true
 export PYTHONHASHSEED=10000
 
 MODEL="${MODEL:-1.5B}"
@@ -40,7 +47,7 @@ if [ "$GENERATE_DATA" = True ]; then
     echo "== stage 1: self-play data ($GENERATOR, $BT_NUM batches) -> $OUTPUT_DIR"
     python -m SPA_agent.generate_sft_data --config-name "$CONFIG_NAME" model="$PRESET" \
         render_mode="$RENDER_MODE" generator="$GENERATOR" data_gen.num_batches="$BT_NUM" \
-        data_gen.output_dir="$OUTPUT_DIR" "$@"
+        data_gen.output_dir="$OUTPUT_DIR" data_gen.resume="$DATA_RESUME" "$@"
     echo "== stage 2: world-model SFT -> $CHECKPOINT_DIR"
     # shellcheck disable=SC2086
     bash sft/finetune_ft.sh "$CONFIG_NAME" "$(( NGPUS > 0 ? NGPUS : 1 ))" "$CHECKPOINT_DIR" "$OUTPUT_DIR" "$MODEL" ${SFT_OVERRIDES:-}

@@ -68,8 +68,9 @@ def resolve_checkpoint(model_path: str) -> str:
     resolved = resolve_model_path(str(model_path))
     path = Path(resolved)
     if path.is_dir() and not (path / "config.json").is_file():
-        models = {int(m.group(1)): p for p in [*path.glob("global_step_*"), *path.glob("global_step_*/actor")]
-                  if (p / "config.json").is_file() and (m := re.search(r"global_step_(\d+)", str(p)))}
+        sft_steps = [p for p in path.glob("global_step_*") if (p / "config.json").is_file()]
+        models = {int(m.group(1)): p for p in [*sft_steps, *path.glob("global_step_*/actor")]
+                  if (m := re.search(r"global_step_(\d+)", p.relative_to(path).as_posix()))}
         hint = f"; did you mean {models[max(models)]}?" if models else ""
         raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json){hint}")
     if not path.exists() and (resolved.startswith((".", "/", "~")) or resolved.count("/") > 1):
