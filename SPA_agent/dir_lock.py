@@ -40,7 +40,7 @@ def read_owner(directory: Path) -> dict | None:
     """The lock's content (`pid`, `host`, `started`), None when unlocked; an unreadable lock reads as {}."""
     try:
         return json.loads((Path(directory) / LOCK_FILE).read_text(encoding="utf-8"))
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
     except ValueError:
         return {}
