@@ -76,7 +76,10 @@ class DirLock:
         self.held = False
 
     def acquire(self) -> DirLock:
-        """Take the lock; also the first write into the directory, so an unwritable one fails here, early."""
+        """Take the lock (a no-op when held); also the first write into the directory, so an unwritable one
+        fails here, early."""
+        if self.held:
+            return self
         content = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()})
         tmp = self.directory / f".lock.{os.getpid()}.tmp"
         try:
