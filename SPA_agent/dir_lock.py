@@ -67,6 +67,17 @@ def check_unlocked(directory: Path) -> None:
         raise DirectoryLockedError(describe(directory, owner))
 
 
+def check_writable(directory: Path) -> None:
+    """Raise UnwritableDirectoryError unless `directory`, or the nearest existing directory above it, can be
+    written (a check for preflights; taking the lock is the real test)."""
+    path = Path(directory).absolute()
+    while not path.exists():
+        path = path.parent
+    if not path.is_dir() or not os.access(path, os.W_OK | os.X_OK):
+        raise UnwritableDirectoryError(f"cannot write to {directory} ({path} is not a writable directory); "
+                                       "choose a writable output directory")
+
+
 class DirLock:
     """`with DirLock(dir):` — hold the directory's lock for the block (the directory is created)."""
 

@@ -23,7 +23,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from SPA_agent import atomic_io
-from SPA_agent.dir_lock import DirLock
+from SPA_agent.dir_lock import DirLock, check_unlocked, check_writable
 from SPA_agent.entry import apply_system_env, exit_on_user_error, load_tokenizer, prepare_config
 from SPA_agent.generators.base import FINISH_ERROR, Generation, Prompt
 from SPA_agent.passk import pass_any, passk_summary
@@ -193,6 +193,8 @@ def evaluate(cfg: DictConfig, generator=None) -> dict:
     from SPA_agent.plots import plot_passk
 
     ev, out_dir = cfg.evaluation, Path(cfg.evaluation.output_dir)
+    check_writable(out_dir)
+    check_unlocked(out_dir)
     tokenizer = load_tokenizer(cfg.model_path)
     generator = ErrorTolerantGenerator(generator or build_generator(cfg.generator, cfg.model_path, tokenizer))
     proxy = LLMAgentProxy(cfg, generator, tokenizer, mode=ev.prompt_mode, progress=True)

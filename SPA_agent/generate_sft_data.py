@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from SPA_agent import atomic_io, run_identity
 from SPA_agent.datagen_card import CARD_FILE, PARTIAL_DIR, BatchStats, render_data_card, trajectory_stats
-from SPA_agent.dir_lock import DirLock
+from SPA_agent.dir_lock import DirLock, check_unlocked, check_writable
 from SPA_agent.entry import apply_system_env, exit_on_user_error, load_tokenizer, prepare_config
 from SPA_agent.progress import progress_bar
 from SPA_agent.worldmodel import substitute_states
@@ -244,6 +244,8 @@ def generate(cfg: DictConfig) -> dict:
     from SPA_agent.generators import build_generator
 
     out_dir = Path(cfg.data_gen.output_dir)
+    check_writable(out_dir)
+    check_unlocked(out_dir)
     tokenizer = load_tokenizer(cfg.model_path)
     generator = build_generator(cfg.generator, cfg.model_path, tokenizer)
     proxy = LLMAgentProxy(cfg, generator, tokenizer, mode=cfg.data_gen.prompt_mode, progress=True)

@@ -48,7 +48,7 @@ from sft.spa_sft_dataset import SpaSftDataset
 from sft.tracking import MetricsLogger
 from SPA_agent import run_identity
 from SPA_agent.datagen_card import check_dataset_complete
-from SPA_agent.dir_lock import DirLock, check_unlocked
+from SPA_agent.dir_lock import DirLock, check_unlocked, check_writable
 from SPA_agent.progress import progress_bar
 from SPA_agent.tiny import resolve_model_path
 
@@ -135,6 +135,7 @@ class SftTrainer:
             inputs["val data"] = run_identity.files_checksum(self.val_data.files)
         config = OmegaConf.to_container(self.cfg, resolve=True)
         self.identity = run_identity.build_identity(config, inputs, ignore=IDENTITY_IGNORED)
+        check_writable(self.out_dir)
         check_unlocked(self.out_dir)
         if data.require_data_card:
             for file in files:

@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from SPA_agent import run_identity
 from SPA_agent.atomic_io import write_text
 from SPA_agent.config import CONFIG_DIR
-from SPA_agent.dir_lock import DirLock, check_unlocked
+from SPA_agent.dir_lock import DirLock, check_unlocked, check_writable
 from SPA_agent.entry import apply_system_env, exit_on_user_error, load_tokenizer
 
 #: config keys that do not change a run's content (the starting models enter its identity by checksum)
@@ -94,6 +94,7 @@ def build_trainer(cfg: DictConfig, lock: DirLock):
     output_dir = Path(cfg.trainer.default_local_dir)
     tokenizer = load_tokenizer(cfg.actor_rollout_ref.model.path)
     identity = run_identity_of(cfg)
+    check_writable(output_dir)
     check_unlocked(output_dir)
     resume = run_identity.check_run_dir(output_dir, identity, cfg.trainer.resume_mode == "auto", OWNED_OUTPUTS,
                                         FRESH_HINT)

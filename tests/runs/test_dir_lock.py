@@ -14,6 +14,7 @@ from SPA_agent.dir_lock import (
     DirLock,
     UnwritableDirectoryError,
     check_unlocked,
+    check_writable,
     read_owner,
 )
 
@@ -84,6 +85,9 @@ def test_unwritable_directory_fails_before_any_work(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(UnwritableDirectoryError, match="cannot write to .*choose a writable output directory"):
         DirLock(tmp_path / "file" / "out").acquire()
+    with pytest.raises(UnwritableDirectoryError, match="is not a writable directory"):
+        check_writable(tmp_path / "file" / "out" / "deeper")
+    check_writable(tmp_path / "new" / "dir")
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root can write read-only directories")

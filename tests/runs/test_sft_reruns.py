@@ -105,6 +105,9 @@ def test_incomplete_dataset_is_refused_unless_allowed(tmp_path):
     with pytest.raises(ValueError, match="no data_card.json"):
         SftTrainer(compose(data, tmp_path / "sft")).preflight()
     SftTrainer(compose(data, tmp_path / "sft", "data.require_data_card=false")).preflight()
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ValueError, match="cannot write to"):
+        SftTrainer(compose(data, tmp_path / "a_file" / "sft", "data.require_data_card=false")).preflight()
     (data / "data_card.json").write_text("{}")
     (data / ".partial").mkdir()
     with pytest.raises(ValueError, match="unfinished data generation"):
