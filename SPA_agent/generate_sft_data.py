@@ -162,7 +162,6 @@ def dataset_state(out_dir: Path, identity: run_identity.RunIdentity, resume: boo
 
 def load_shards(partial: Path, num_batches: int) -> list[dict]:
     """Consecutive completed batch shards."""
-
     shards = []
     for b in range(num_batches):
         path = partial / f"batch_{b:05d}.json"
