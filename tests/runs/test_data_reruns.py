@@ -4,13 +4,14 @@ damaged by a failed or interrupted rerun; SFT accepts only complete datasets."""
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 from omegaconf import OmegaConf
 
 from SPA_agent.config import compose
 from SPA_agent.datagen_card import CARD_FILE, PARTIAL_DIR, check_dataset_complete
-from SPA_agent.dir_lock import LOCK_FILE, DirectoryLockedError
+from SPA_agent.dir_lock import LOCK_FILE, DirectoryLockedError, UnwritableDirectoryError
 from SPA_agent.generate_sft_data import DATA_FILES, generate, prepare_data_gen_config
 from SPA_agent.run_identity import IDENTITY_FILE, RunMismatchError
 
@@ -98,12 +99,14 @@ def test_interrupted_fresh_rerun_keeps_the_old_dataset_and_sft_refuses_it(datase
     check_dataset_complete(out / "wm_train.parquet")
 
 
-def test_locked_directory_is_refused(dataset, tmp_path):
-    (tmp_path / LOCK_FILE).write_text(f'{{"pid": {os.getppid()}, "host": "{os.uname().nodename}", "started": 0}}')
+def test_locked_or_unwritable_directory_is_refused(tmp_path):
+    (tmp_path / LOCK_FILE).write_text(f'{{"pid": {os.getppid()}, "host": "{socket.gethostname()}", "started": 0}}')
     with pytest.raises(DirectoryLockedError, match="in use by pid"):
         generate(config(tmp_path))
     with pytest.raises(DirectoryLockedError):
         check_dataset_complete(tmp_path / "wm_train.parquet")
+    with pytest.raises(UnwritableDirectoryError, match="cannot write to"):
+        generate(config(tmp_path / LOCK_FILE / "data"))
 
 
 def test_dataset_without_card_is_incomplete(tmp_path):

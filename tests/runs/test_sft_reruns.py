@@ -4,7 +4,9 @@ consistently; incomplete datasets, null rows and cut-short metrics lines are han
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import socket
 import sys
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from sft_fixtures import synthetic_rows, write_rows  # noqa: E402
 
 from sft.spa_sft_dataset import read_rows  # noqa: E402
 from sft.spa_sft_trainer import SftTrainer  # noqa: E402
+from SPA_agent.dir_lock import LOCK_FILE, DirectoryLockedError  # noqa: E402
 from SPA_agent.run_identity import IDENTITY_FILE, RunMismatchError  # noqa: E402
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "sft" / "config"
@@ -122,6 +125,14 @@ def test_directory_of_an_older_version_is_refused_when_resuming(tmp_path):
         SftTrainer(compose(data, out)).preflight()
     run(compose(data, out, "trainer.resume=disable"))
     assert not (out / "global_step_3").exists() and (out / "notes.txt").read_text() == "mine"
+
+
+def test_directory_in_use_by_another_run_is_refused(tmp_path):
+    data, out = make_dataset(tmp_path / "data"), tmp_path / "sft"
+    out.mkdir()
+    (out / LOCK_FILE).write_text(f'{{"pid": {os.getppid()}, "host": "{socket.gethostname()}", "started": 0}}')
+    with pytest.raises(DirectoryLockedError, match=f"in use by pid {os.getppid()}"):
+        SftTrainer(compose(data, out)).preflight()
 
 
 def test_null_response_or_message_is_one_line_naming_the_row(tmp_path):
