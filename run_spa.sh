@@ -14,6 +14,7 @@
 #   and GENERATOR defaults, SFT overrides and data/SFT directory suffixes; without one, RENDER_MODE=text runs
 #   spa_no_state_estimation and the default runs spa. Data of FrozenLake and Sudoku is format-filtered
 #   (data_gen.format_filter=false keeps every row).
+# RESUME (0: every stage starts fresh in its directory, the default; 1: continue runs with the same settings).
 # MODEL=tiny uses CPU-sized settings: 2 data batches of 4 × 2 envs with the random generator, 3 SFT epochs
 # at lr 1e-3, 2 PPO steps, and an evaluation on 4 puzzles × 2 samples.
 set -euo pipefail
@@ -23,6 +24,12 @@ cd "$(dirname "$0")"
 [ $# -ge 1 ] || die "usage: bash run_spa.sh <config> [ckpt=last] [generate_data=False] [overrides...]"
 CONFIG_NAME="$1"; CKPT="${2:-last}"; GENERATE_DATA="${3:-False}"; shift $(( $# < 3 ? $# : 3 ))
 check_config "$CONFIG_NAME"
+case "${GENERATE_DATA,,}" in
+    true) GENERATE_DATA=True ;;
+    false) GENERATE_DATA=False ;;
+    *) die "generate_data must be True or False, got '$GENERATE_DATA'" ;;
+esac
+DATA_RESUME=false; is_resume && DATA_RESUME=true
 export PYTHONHASHSEED=10000
 
 load_experiment spa "$CONFIG_NAME" "$@"
@@ -50,7 +57,7 @@ if [ "$GENERATE_DATA" = True ]; then
     echo "== stage 1: self-play data ($GENERATOR, $BT_NUM batches) -> $OUTPUT_DIR"
     python -m SPA_agent.generate_sft_data --config-name "$CONFIG_NAME" model="$PRESET" \
         render_mode="$RENDER_MODE" generator="$GENERATOR" data_gen.num_batches="$BT_NUM" \
-        data_gen.output_dir="$OUTPUT_DIR" "$@"
+        data_gen.output_dir="$OUTPUT_DIR" data_gen.resume="$DATA_RESUME" "$@"
     echo "== stage 2: world-model SFT -> $CHECKPOINT_DIR"
     # shellcheck disable=SC2086
     bash sft/finetune_ft.sh "$CONFIG_NAME" "$(( NGPUS > 0 ? NGPUS : 1 ))" "$CHECKPOINT_DIR" "$OUTPUT_DIR" "$MODEL" ${SFT_OVERRIDES:-}

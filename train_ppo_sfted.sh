@@ -5,7 +5,8 @@
 # Environment: MODEL (1.5B; 0.5B, 3B, llama1B, tiny: selects CPU-sized settings), RENDER_MODE (default: the
 #   config's, text_with_coordinates unless an experiment=<name> sets it), NGPUS (detected), BASE_DIR (runs go
 #   to $BASE_DIR/<config>/<experiment>, default ./checkpoints), TOTAL_STEPS (1000; 2 for tiny), ROLLOUT_TP (vLLM tensor parallel size with
-#   more than one GPU; default: all of them).
+#   more than one GPU; default: all of them), RESUME (0: start fresh in the run directory, the default; 1: continue
+#   a run there with the same settings and starting model).
 set -euo pipefail
 cd "$(dirname "$0")"
 . scripts/common.sh
@@ -22,6 +23,7 @@ NGPUS="$(gpu_count)"
 PRESET="$(model_preset "$MODEL")"
 STEPS_DEFAULT=1000; [ "$MODEL" = tiny ] && STEPS_DEFAULT=2
 TOTAL_STEPS="${TOTAL_STEPS:-$STEPS_DEFAULT}"
+RESUME_MODE=disable; is_resume && RESUME_MODE=auto
 case "$CKPT" in */*|tiny) ;; *) [ -d "$CKPT" ] || die "checkpoint '$CKPT' is not a directory" ;; esac
 if [ -e "$CKPT" ] && [ ! -f "$CKPT/config.json" ]; then die "'$CKPT' is not a Hugging Face model directory (no config.json)"; fi
 
@@ -35,5 +37,5 @@ python -m SPA_agent.trainer.main_ppo --config-name "$CONFIG_NAME" model="$PRESET
     model_path="$CKPT" "${RENDER_ARGS[@]}" "${BACKEND_ARGS[@]}" \
     trainer.n_gpus_per_node="$(( NGPUS > 0 ? NGPUS : 1 ))" \
     trainer.total_training_steps="$TOTAL_STEPS" trainer.save_freq=100 \
-    trainer.experiment_name="$EXPERIMENT_NAME" \
+    trainer.experiment_name="$EXPERIMENT_NAME" trainer.resume_mode="$RESUME_MODE" \
     trainer.default_local_dir="$BASE_DIR/$CONFIG_NAME/$EXPERIMENT_NAME" "$@"

@@ -10,12 +10,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from tqdm.auto import tqdm
 from verl import DataProto
 
 from SPA_agent.ctx_manager import ContextManager
 from SPA_agent.es_manager import EnvStateManager, check_env_groups
 from SPA_agent.generators.base import FINISH_STOP, Generator, Prompt
+from SPA_agent.progress import progress_bar
 
 
 @dataclass
@@ -39,6 +39,8 @@ class LLMAgentProxy:
         self.generator = generator
         self.ctx = ContextManager(config, tokenizer, mode=mode)
         self.max_turn = int(config["agent_proxy"]["max_turn"])
+        if self.max_turn < 1:
+            raise ValueError(f"agent_proxy.max_turn must be >= 1, got {self.max_turn}")
         self.progress = progress
         self._managers: dict[str, EnvStateManager] = {}
 
@@ -52,8 +54,8 @@ class LLMAgentProxy:
     def rollout(self, val: bool = False, seed: int | None = None) -> Rollout:
         es = self.es_manager(val)
         active = es.reset(seed=seed)
-        turns = tqdm(range(self.max_turn), desc="val rollout" if val else "rollout", leave=False,
-                     disable=not self.progress)
+        turns = progress_bar(range(self.max_turn), desc="val rollout" if val else "rollout", leave=False,
+                             disable=not self.progress)
         for _ in turns:
             prompts = self._prompts(es, active)
             generations = self.generator.generate(prompts)

@@ -6,11 +6,29 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
+from SPA_agent.dir_lock import check_unlocked
 from SPA_agent.worldmodel import ACCURACY_KEYS, extract_states, turn_accuracy
+
+CARD_FILE = "data_card.json"  # written last: its presence marks a complete dataset
+PARTIAL_DIR = ".partial"  # batch shards of an unfinished generation
+
+
+def check_dataset_complete(data_file: Path) -> None:
+    """Raise ValueError unless the directory of `data_file` holds a complete dataset: its data card, no
+    unfinished generation (`.partial/`) and no live writer."""
+    directory = Path(data_file).parent
+    check_unlocked(directory)
+    if (directory / PARTIAL_DIR).is_dir():
+        raise ValueError(f"{directory} has an unfinished data generation ({PARTIAL_DIR}/): rerun stage 1 with the "
+                         f"same settings to finish it, or delete {directory / PARTIAL_DIR} to use the dataset as it is")
+    if not (directory / CARD_FILE).is_file():
+        raise ValueError(f"{directory} has no {CARD_FILE}, so it is not a complete stage-1 dataset (interrupted or "
+                         "failed?): rerun stage 1, or set data.require_data_card=false for data made elsewhere")
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -61,14 +62,16 @@ def apply_system_env(cfg: DictConfig) -> None:
 
 def resolve_checkpoint(model_path: str) -> str:
     """The directory or hub id to load: `tiny` → the embedded model; a local directory must be a Hugging Face
-    model directory (PPO checkpoints: `<run>/global_step_N/actor`)."""
+    model directory (SFT checkpoints: `<dir>/global_step_N`; PPO checkpoints: `<run>/global_step_N/actor`)."""
     from SPA_agent.tiny import resolve_model_path
 
     resolved = resolve_model_path(str(model_path))
     path = Path(resolved)
     if path.is_dir() and not (path / "config.json").is_file():
-        actors = sorted(path.glob("global_step_*/actor"))
-        hint = f"; did you mean {actors[-1]}?" if actors else ""
+        sft_steps = [p for p in path.glob("global_step_*") if (p / "config.json").is_file()]
+        models = {int(m.group(1)): p for p in [*sft_steps, *path.glob("global_step_*/actor")]
+                  if (m := re.search(r"global_step_(\d+)", p.relative_to(path).as_posix()))}
+        hint = f"; did you mean {models[max(models)]}?" if models else ""
         raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json){hint}")
     if not path.exists() and (resolved.startswith((".", "/", "~")) or resolved.count("/") > 1):
         raise FileNotFoundError(f"model_path {resolved} does not exist")

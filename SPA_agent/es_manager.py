@@ -46,6 +46,9 @@ def check_env_groups(config: Mapping, split: str) -> None:
     """Clear errors for `es_manager.<split>` before any env is built: known tags, one n_groups entry per tag,
     and n_groups summing to env_groups."""
     es_cfg = config["es_manager"][split]
+    if int(es_cfg["env_groups"]) < 1 or int(es_cfg["group_size"]) < 1:
+        raise ValueError(f"es_manager.{split}.env_groups and group_size must be >= 1, got "
+                         f"{es_cfg['env_groups']} and {es_cfg['group_size']}")
     tags, n_groups = list(es_cfg["env_configs"]["tags"]), list(es_cfg["env_configs"]["n_groups"])
     unknown = [tag for tag in tags if tag not in config["custom_envs"]]
     if unknown:

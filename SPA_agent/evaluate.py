@@ -6,7 +6,8 @@ pass@k with bootstrap 95% intervals, action statistics, response length and (add
 
 Writes eval.json (numbers + composed config), trajectories.jsonl and passk.png under evaluation.output_dir.
 If generation fails mid-run (e.g. an API outage after retries), everything finished so far is written with
-`"complete": false` and the reason, and the command exits with status 1.
+`"complete": false` and the reason, and the command exits with status 1; once every request of one turn has
+failed (an endpoint that is down or unreachable), the evaluation stops there and `error` names the cause.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from SPA_agent import atomic_io
+from SPA_agent.dir_lock import DirLock, check_unlocked, check_writable
 from SPA_agent.entry import apply_system_env, exit_on_user_error, load_tokenizer, prepare_config
 from SPA_agent.generators.base import FINISH_ERROR, Generation, Prompt
 from SPA_agent.passk import pass_any, passk_summary
@@ -68,16 +70,24 @@ def prepare_eval_config(cfg: DictConfig, config_name: str | None = None) -> Dict
 
 class ErrorTolerantGenerator:
     """Wraps a generator so failed requests come back as `finish_reason="error"` (when the generator supports
-    `allow_failures`) and records, per generate call, the positions of the failed prompts."""
+    `allow_failures`) and records, per generate call, the positions of the failed prompts. Once every request
+    of a call has failed, the endpoint counts as down (`down` holds the cause): later calls fail at once, without
+    requests, so the rollout ends quickly and the evaluation stops with that cause."""
 
     def __init__(self, generator):
         self.generator = generator
         self.tolerant = "allow_failures" in inspect.signature(generator.generate).parameters
         self.failed_positions: list[list[int]] = []
+        self.down: str | None = None
 
     def generate(self, prompts: list[Prompt]) -> list[Generation]:
-        kwargs = {"allow_failures": True} if self.tolerant else {}
-        generations = self.generator.generate(prompts, **kwargs)
+        if self.down is not None:
+            generations = [Generation("", None, FINISH_ERROR) for _ in prompts]
+        else:
+            kwargs = {"allow_failures": True} if self.tolerant else {}
+            generations = self.generator.generate(prompts, **kwargs)
+            if generations and all(g.finish_reason == FINISH_ERROR for g in generations):
+                self.down = getattr(self.generator, "last_error", None) or "the generator gave no reason"
         self.failed_positions.append([i for i, g in enumerate(generations) if g.finish_reason == FINISH_ERROR])
         return generations
 
@@ -169,6 +179,9 @@ def run_repeats(cfg: DictConfig, proxy, generator: ErrorTolerantGenerator) -> tu
         failed = generator.failed_env_ids(rollout.states, first_call)
         records += [trajectory_record(proxy, s, repeat, s["env_id"] in failed) for s in rollout.states]
         states += rollout.states
+        if generator.down is not None:
+            error = f"repeat {repeat}: every request of a turn failed: {generator.down}"
+            break
     return records, states, error
 
 
@@ -180,17 +193,20 @@ def evaluate(cfg: DictConfig, generator=None) -> dict:
     from SPA_agent.plots import plot_passk
 
     ev, out_dir = cfg.evaluation, Path(cfg.evaluation.output_dir)
+    check_writable(out_dir)
+    check_unlocked(out_dir)
     tokenizer = load_tokenizer(cfg.model_path)
     generator = ErrorTolerantGenerator(generator or build_generator(cfg.generator, cfg.model_path, tokenizer))
     proxy = LLMAgentProxy(cfg, generator, tokenizer, mode=ev.prompt_mode, progress=True)
-    records, states, error = run_repeats(cfg, proxy, generator)
-    if ev.write_trajectories:
-        atomic_io.write_jsonl(out_dir / "trajectories.jsonl", records)
-    result = summarize(cfg, records, states, error) if records else {"complete": False, "error": error,
-                                                                        "config": OmegaConf.to_container(cfg)}
-    atomic_io.write_json(out_dir / "eval.json", result)
-    if ev.write_plots and result.get("metrics"):
-        plot_passk(result, out_dir / "passk.png")
+    with DirLock(out_dir):  # also fails early on an unwritable directory, before any rollout
+        records, states, error = run_repeats(cfg, proxy, generator)
+        if ev.write_trajectories:
+            atomic_io.write_jsonl(out_dir / "trajectories.jsonl", records)
+        result = summarize(cfg, records, states, error) if records else {"complete": False, "error": error,
+                                                                            "config": OmegaConf.to_container(cfg)}
+        atomic_io.write_json(out_dir / "eval.json", result)
+        if ev.write_plots and result.get("metrics"):
+            plot_passk(result, out_dir / "passk.png")
     return result
 
 

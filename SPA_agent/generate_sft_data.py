@@ -12,9 +12,11 @@ wm_train/wm_val by trajectory, with a data card that records the model's own ("s
 
 from __future__ import annotations
 
-import hashlib
+import json
 import math
+import os
 import shutil
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -23,18 +25,20 @@ import hydra
 import numpy as np
 import pyarrow as pa
 from omegaconf import DictConfig, OmegaConf
-from tqdm.auto import tqdm
 
 from sft.filter_sft_by_tag import has_worldmodel_format
-from SPA_agent import atomic_io
+from SPA_agent import atomic_io, run_identity
 from SPA_agent.data_variants import STATE_TARGETS, state_targets
-from SPA_agent.datagen_card import BatchStats, render_data_card, trajectory_stats
+from SPA_agent.datagen_card import CARD_FILE, PARTIAL_DIR, BatchStats, render_data_card, trajectory_stats
+from SPA_agent.dir_lock import DirLock, check_unlocked, check_writable
 from SPA_agent.entry import apply_system_env, exit_on_user_error, load_tokenizer, prepare_config
+from SPA_agent.progress import progress_bar
 from SPA_agent.worldmodel import substitute_states
 
 DATA_FILES = ("wm_train.parquet", "wm_val.parquet")
-CARD_FILE = "data_card.json"  # written last: its presence marks a complete dataset
-PARTIAL_DIR = ".partial"
+# Unfinished runs keep batch shards in PARTIAL_DIR; the new dataset is staged in PARTIAL_DIR/final.
+OUTPUT_FILES = ("wm_train.parquet", "wm_val.parquet", "wm_train.csv", "wm_val.csv", "raw_trajectories.jsonl",
+                "config.yaml", "data_card.md", run_identity.IDENTITY_FILE, CARD_FILE)
 MESSAGE_TYPE = pa.struct([("content", pa.string()), ("role", pa.string())])
 SFT_SCHEMA = pa.schema([
     ("prompt", pa.list_(MESSAGE_TYPE)),
@@ -136,22 +140,39 @@ def rows_table(rows: list[dict], split: str, cfg: Mapping) -> pa.Table:
     return pa.table(columns, schema=SFT_SCHEMA)
 
 
-# --- resumable batches --------------------------------------------------------------------------------
-def config_fingerprint(cfg: DictConfig) -> str:
-    """Hash of the resolved config minus `data_gen.resume`: shards are reused only under the same config."""
-    data = OmegaConf.to_container(cfg, resolve=True)
-    data["data_gen"].pop("resume", None)
-    return hashlib.sha256(OmegaConf.to_yaml(OmegaConf.create(data)).encode()).hexdigest()
+# --- identity and resumable batches ------------------------------------------------------------------
+#: config keys that determine the dataset (the rest of the entry config belongs to other stages)
+IDENTITY_KEYS = ("config_name", "render_mode", "seed", "custom_envs", "es_manager.train", "es_manager.format_penalty",
+                 "agent_proxy", "ctx_manager", "actor_rollout_ref.rollout", "generator", "data_gen", "enable_response_mask")
+#: keys under IDENTITY_KEYS that do not change the data (the model enters by checksum, not by path)
+IGNORED_KEYS = ("data_gen.resume", "data_gen.output_dir")
+FRESH_HINT = "pass data_gen.resume=false (the current dataset stays until the new one is complete)"
 
 
-def load_shards(partial: Path, fingerprint: str, num_batches: int) -> list[dict]:
-    """Consecutive completed batch shards written under the same config; stale shards are removed."""
-    import json
+def data_identity(cfg: DictConfig) -> run_identity.RunIdentity:
+    return run_identity.build_identity(OmegaConf.to_container(cfg, resolve=True),
+                                       {"model": run_identity.model_checksum(cfg.model_path)},
+                                       ignore=IGNORED_KEYS, include=IDENTITY_KEYS)
 
-    marker = partial / "fingerprint.txt"
-    if not marker.is_file() or marker.read_text() != fingerprint:
-        shutil.rmtree(partial, ignore_errors=True)
-        return []
+
+def dataset_state(out_dir: Path, identity: run_identity.RunIdentity, resume: bool) -> str:
+    """`continue` (shards of this identity in .partial/), `complete` (the dataset of this identity is there) or
+    `fresh`. With `resume`, a dataset or shards of another identity raise RunMismatchError."""
+    if not resume:
+        return "fresh"
+    partial = out_dir / PARTIAL_DIR
+    if partial.is_dir() and run_identity.check(partial, identity, FRESH_HINT):
+        return "continue"
+    if (out_dir / CARD_FILE).is_file():
+        if run_identity.check(out_dir, identity, FRESH_HINT):
+            return "complete"
+        raise run_identity.RunMismatchError(f"{out_dir} holds a dataset without {run_identity.IDENTITY_FILE} (made "
+                                            f"by an older version); to replace it {FRESH_HINT}")
+    return "fresh"
+
+
+def load_shards(partial: Path, num_batches: int) -> list[dict]:
+    """Consecutive completed batch shards."""
     shards = []
     for b in range(num_batches):
         path = partial / f"batch_{b:05d}.json"
@@ -161,20 +182,17 @@ def load_shards(partial: Path, fingerprint: str, num_batches: int) -> list[dict]
     return shards
 
 
-def run_batches(cfg: DictConfig, proxy, out_dir: Path) -> list[dict]:
-    """Play `num_batches` rollouts (resuming from shards when allowed); one shard dict per batch."""
+def run_batches(cfg: DictConfig, proxy, partial: Path, resume: bool) -> list[dict]:
+    """Play `num_batches` rollouts (continuing after the shards in `partial` when `resume`); one shard dict
+    per batch, each also written to `partial`."""
     dg = cfg.data_gen
-    partial = out_dir / PARTIAL_DIR
-    fingerprint = config_fingerprint(cfg)
-    shards = load_shards(partial, fingerprint, dg.num_batches) if dg.resume else []
-    if not dg.resume:
-        shutil.rmtree(partial, ignore_errors=True)
-    atomic_io.write_text(partial / "fingerprint.txt", fingerprint)
+    shards = load_shards(partial, dg.num_batches) if resume else []
     if shards:
         proxy.load_state_dict(shards[-1]["proxy_state"])
         print(f"resuming after {len(shards)} completed batch(es) from {partial}")
     env_types = {tag: cfg.custom_envs[tag].env_type for tag in cfg.es_manager.train.env_configs.tags}
-    for b in tqdm(range(len(shards), dg.num_batches), desc="data batches", initial=len(shards), total=dg.num_batches):
+    for b in progress_bar(range(len(shards), dg.num_batches), desc="data batches", initial=len(shards),
+                          total=dg.num_batches):
         rollout = proxy.rollout(val=False)
         first_id = b * len(rollout.states)
         rows, trajectories = rollout_records(proxy, rollout.states, first_id, env_types, dg.state_targets,
@@ -183,12 +201,14 @@ def run_batches(cfg: DictConfig, proxy, out_dir: Path) -> list[dict]:
                  "stats": trajectory_stats(rollout.states).as_dict(), "proxy_state": proxy.state_dict()}
         atomic_io.write_json(partial / f"batch_{b:05d}.json", shard)
         shards.append(shard)
+        if not sys.stderr.isatty():
+            print(f"batch {b + 1}/{dg.num_batches} done", flush=True)
     return shards
 
 
 # --- outputs ------------------------------------------------------------------------------------------
 def write_outputs(cfg: DictConfig, out_dir: Path, shards: list[dict]) -> dict:
-    """wm_train/wm_val parquet (+csv), raw trajectories, config.yaml, then the data card (last)."""
+    """wm_train/wm_val parquet (+csv), raw trajectories, config.yaml, then the data card, into `out_dir`."""
     dg = cfg.data_gen
     rows = [row for shard in shards for row in shard["rows"]]
     train, val = split_rows(rows, dg.split_by, dg.val_fraction, dg.split_seed)
@@ -218,19 +238,53 @@ def write_outputs(cfg: DictConfig, out_dir: Path, shards: list[dict]) -> dict:
     return card
 
 
+def publish(staging: Path, out_dir: Path) -> None:
+    """Move the finished files from `staging` into `out_dir`: the old card goes first and the new one comes
+    last, so a dataset never looks complete with a mix of old and new files; outputs of the old run that the
+    new one does not write (a csv, the trajectories) are removed."""
+    (out_dir / CARD_FILE).unlink(missing_ok=True)
+    for name in OUTPUT_FILES:
+        if name != CARD_FILE and not (staging / name).exists():
+            (out_dir / name).unlink(missing_ok=True)
+    for path in sorted(staging.iterdir()):
+        if path.name != CARD_FILE:
+            os.replace(path, out_dir / path.name)
+    os.replace(staging / CARD_FILE, out_dir / CARD_FILE)
+
+
 def generate(cfg: DictConfig) -> dict:
-    """The whole stage for a prepared config (see `prepare_data_gen_config`); returns the data card."""
+    """The whole stage for a prepared config (see `prepare_data_gen_config`); returns the data card.
+
+    Model, generator and envs are checked before anything is written; batches go to `<output_dir>/.partial/`
+    and the dataset replaces the old one only once complete (`publish`). One process at a time per directory.
+    """
     from SPA_agent.agent_proxy import LLMAgentProxy
     from SPA_agent.generators import build_generator
 
     out_dir = Path(cfg.data_gen.output_dir)
-    (out_dir / CARD_FILE).unlink(missing_ok=True)
+    check_writable(out_dir)
+    check_unlocked(out_dir)
     tokenizer = load_tokenizer(cfg.model_path)
     generator = build_generator(cfg.generator, cfg.model_path, tokenizer)
     proxy = LLMAgentProxy(cfg, generator, tokenizer, mode=cfg.data_gen.prompt_mode, progress=True)
-    shards = run_batches(cfg, proxy, out_dir)
-    card = write_outputs(cfg, out_dir, shards)
-    shutil.rmtree(out_dir / PARTIAL_DIR, ignore_errors=True)
+    identity = data_identity(cfg)
+    with DirLock(out_dir):
+        state = dataset_state(out_dir, identity, cfg.data_gen.resume)
+        if state == "complete":
+            print(f"{out_dir} already holds this dataset (same settings and model); data_gen.resume=false "
+                  "generates it again")
+            return json.loads((out_dir / CARD_FILE).read_text(encoding="utf-8"))
+        partial = out_dir / PARTIAL_DIR
+        if state == "fresh":
+            shutil.rmtree(partial, ignore_errors=True)
+        run_identity.record(partial, identity)
+        shards = run_batches(cfg, proxy, partial, resume=state == "continue")
+        staging = partial / "final"
+        shutil.rmtree(staging, ignore_errors=True)
+        run_identity.record(staging, identity)
+        card = write_outputs(cfg, staging, shards)
+        publish(staging, out_dir)
+        shutil.rmtree(partial)
     return card
 
 

@@ -20,6 +20,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from SPA_agent import atomic_io
+from SPA_agent.metrics_file import read_records
 
 VAL_KEY = re.compile(r"^val-env/(?P<tag>[^/]+)/(?P<name>success|pass@\d+)$")
 
@@ -55,13 +56,9 @@ def plot_passk(result: Mapping, path: Path) -> Path:
 def read_metrics_jsonl(path: Path) -> dict[str, dict[str, list[tuple[int, float]]]]:
     """{tag: {metric: [(step, value), …]}} of the `val-env/<Tag>/success|pass@G` keys in a metrics.jsonl."""
     curves: dict[str, dict[str, list[tuple[int, float]]]] = defaultdict(lambda: defaultdict(list))
-    for line_no, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{line_no} is not a JSON line ({err})") from err
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{path} does not exist")
+    for record in read_records(path)[0]:
         for key, value in record.items():
             match = VAL_KEY.match(key)
             if match and "step" in record and value is not None:

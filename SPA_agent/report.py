@@ -156,7 +156,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if args.out:
-        atomic_io.write_text(args.out, report)
+        try:
+            atomic_io.write_text(args.out, report)
+        except OSError as err:
+            print(f"error: cannot write {args.out}: {err.strerror or err}; choose a writable --out", file=sys.stderr)
+            return 2
     print(report)
     return 0
 

@@ -12,6 +12,16 @@ check_config() {
     die "unknown config '$name'; choose one of: $SPA_CONFIGS"
 }
 
+# is_resume: RESUME=1 continues the runs in the output directories when their settings match (run_identity.json;
+# a mismatch is refused, naming the keys); RESUME=0, the default, starts every stage fresh there.
+is_resume() {
+    case "${RESUME:-0}" in
+        1|true|True) return 0 ;;
+        0|false|False) return 1 ;;
+        *) die "RESUME must be 0 (fresh run, the default) or 1 (continue a matching run), got '$RESUME'" ;;
+    esac
+}
+
 # model_preset SIZE: Hydra model preset for MODEL=0.5B|1.5B|3B|llama1B|tiny.
 model_preset() {
     case "$1" in

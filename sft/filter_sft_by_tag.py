@@ -18,7 +18,7 @@ import hashlib
 import json
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from SPA_agent import atomic_io
+from SPA_agent.datagen_card import CARD_FILE
+from SPA_agent.dir_lock import DirLock
 
 SPLITS = ("wm_train", "wm_val")
 _FLAGS = re.IGNORECASE | re.DOTALL
@@ -94,18 +96,34 @@ def filter_table(
 def filter_dir(
     input_dir: Path, output_dir: Path, min_len: int | None, max_len: int | None, dedup: bool
 ) -> dict[str, FilterStats]:
-    """Filter `<input_dir>/wm_{train,val}.parquet` into `<output_dir>/wm_{train,val}.parquet`."""
+    """Filter `<input_dir>/wm_{train,val}.parquet` into `<output_dir>/wm_{train,val}.parquet`, then write the
+    output's data card (the input's card, if any, under `source_card`, plus the filter and its counts): like a
+    stage-1 dataset, the output counts as complete only once its card is there."""
     paths = {split: input_dir / f"{split}.parquet" for split in SPLITS}
     missing = [str(p) for p in paths.values() if not p.is_file()]
     if missing:
         raise FileNotFoundError(f"missing input file(s) {missing}: pass the directory holding wm_train/wm_val.parquet")
     if output_dir.resolve() == input_dir.resolve():
         raise ValueError("--output must differ from --input (the inputs would be overwritten)")
-    output_dir.mkdir(parents=True, exist_ok=True)
-    stats = {}
+    if min_len is not None and max_len is not None and min_len > max_len:
+        raise ValueError(f"--min-len {min_len} is greater than --max-len {max_len}: no response could pass")
+    tables, stats = {}, {}
     for split, path in paths.items():
-        table, stats[split] = filter_table(pq.read_table(path), min_len, max_len, dedup)
-        atomic_io.write_parquet(output_dir / f"{split}.parquet", table)
+        tables[split], stats[split] = filter_table(pq.read_table(path), min_len, max_len, dedup)
+    empty = [split for split, s in stats.items() if s.kept == 0 and s.total > 0]
+    if "wm_train" in empty:
+        raise ValueError(f"no row of {paths['wm_train']} passes the filter ({stats['wm_train']}); loosen "
+                         "--min-len/--max-len")
+    with DirLock(output_dir):
+        (output_dir / CARD_FILE).unlink(missing_ok=True)
+        for split, table in tables.items():
+            atomic_io.write_parquet(output_dir / f"{split}.parquet", table)
+        source_card = input_dir / CARD_FILE
+        atomic_io.write_json(output_dir / CARD_FILE, {
+            "stage": "filtered SFT data (sft/filter_sft_by_tag.py)", "source": str(input_dir),
+            "source_card": json.loads(source_card.read_text(encoding="utf-8")) if source_card.is_file() else None,
+            "filter": {"min_len": min_len, "max_len": max_len, "dedup": dedup},
+            "splits": {split: asdict(s) for split, s in stats.items()}})
     return stats
 
 

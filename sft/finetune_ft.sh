@@ -3,6 +3,7 @@
 # with gloo when CUDA is absent), the paper's recipe, extra Hydra overrides last.
 #   bash sft/finetune_ft.sh sokoban 4 sftckpt/checkpoints_2_sokoban-1.5B sftdata/_2_sokoban 1.5B
 #   bash sft/finetune_ft.sh sokoban 1 /tmp/sft-tiny sftdata/tiny tiny trainer.total_epochs=1
+# A run starts fresh in <save_path>; RESUME=1 continues a run there with the same settings, data and model.
 set -euo pipefail
 
 usage() {
@@ -36,6 +37,12 @@ for split in train val; do
     fi
 done
 
+case "${RESUME:-0}" in
+    1|true|True) resume=auto; append_log=1 ;;
+    0|false|False) resume=disable ;;
+    *) echo "error: RESUME must be 0 (fresh run, the default) or 1 (continue a matching run), got '$RESUME'" >&2; exit 2 ;;
+esac
+
 python=${PYTHON:-python}
 if "$python" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     if [[ -n "${CUDA_VISIBLE_DEVICES:-}" ]]; then
@@ -68,6 +75,7 @@ overrides=(
     model.target_modules=all-linear
     trainer.project_name=spa-sft
     model.enable_gradient_checkpointing=False
+    trainer.resume="$resume"
     "$@"
 )
 # Check the config and data in one process first: a user error prints one line and exits with status 2.
@@ -75,4 +83,4 @@ overrides=(
 
 mkdir -p "$save_path"
 "$python" -m torch.distributed.run --standalone --nnodes=1 --nproc_per_node="$nproc_per_node" \
-    -m sft.spa_sft_trainer "${overrides[@]}" 2>&1 | tee "$save_path/train.log"
+    -m sft.spa_sft_trainer "${overrides[@]}" 2>&1 | tee ${append_log:+-a} "$save_path/train.log"

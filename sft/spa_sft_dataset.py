@@ -71,9 +71,14 @@ def read_rows(files: str | Sequence[str], prompt_key: str = "prompt",
                                     "(python -m SPA_agent.generate_sft_data) or fix the data path")
         table = pq.read_table(path)
         _check_schema(table.schema, path, prompt_key, response_key)
-        for messages in table.column(prompt_key).to_pylist():
+        file_prompts, file_responses = table.column(prompt_key).to_pylist(), table.column(response_key).to_pylist()
+        for row, (messages, response) in enumerate(zip(file_prompts, file_responses)):
+            if response is None or messages is None or any(
+                    m is None or m["role"] is None or m["content"] is None for m in messages):
+                raise ValueError(f"{path} row {row} has a null {response_key!r} or {prompt_key!r} message: drop or "
+                                 "fix that row (e.g. python sft/filter_sft_by_tag.py drops rows without a response)")
             prompts.append([{"role": m["role"], "content": m["content"]} for m in messages])
-        responses.extend(table.column(response_key).to_pylist())
+        responses.extend(file_responses)
     if not responses:
         raise ValueError(f"SFT data {', '.join(map(str, paths))} has no rows")
     return prompts, responses
@@ -117,6 +122,7 @@ class SpaSftDataset(torch.utils.data.Dataset):
         self.loss_target = LossTarget.parse(loss_target)
         self.truncation = Truncation.parse(truncation)
         self.max_length = max_length
+        self.files = [files] if isinstance(files, (str, Path)) else list(files)
         prompts, responses = read_rows(files, prompt_key, response_key)
         self.samples = self._tokenize(tokenizer, prompts, responses)
 

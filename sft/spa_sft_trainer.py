@@ -47,9 +47,22 @@ from sft.packing import (
 )
 from sft.spa_sft_dataset import SpaSftDataset
 from sft.tracking import MetricsLogger
+from SPA_agent import run_identity
+from SPA_agent.datagen_card import check_dataset_complete
+from SPA_agent.dir_lock import DirLock, check_unlocked, check_writable
+from SPA_agent.progress import progress_bar
 from SPA_agent.tiny import resolve_model_path
 
 FLEX_PAD_MULTIPLE = 512
+#: config keys that do not change the trained weights (data and model enter the run identity by checksum)
+IDENTITY_IGNORED = ("data.train_files", "data.val_files", "data.require_data_card", "model.partial_pretrain",
+                    "trainer.default_local_dir", "trainer.project_name", "trainer.experiment_name", "trainer.logger",
+                    "trainer.resume", "trainer.save_freq", "trainer.max_ckpt_to_keep", "trainer.preflight_nproc",
+                    "trainer.wandb_mode")
+#: what a run writes into trainer.default_local_dir (a fresh run removes these; train.log is the launcher's)
+OWNED_OUTPUTS = ("global_step_*", ".global_step_*.tmp", "metrics.jsonl", "sft_config.yaml", "wandb",
+                 run_identity.IDENTITY_FILE)
+FRESH_HINT = "pass trainer.resume=disable"
 
 
 def check_attention(cfg: DictConfig, use_cuda: bool) -> None:
@@ -96,29 +109,57 @@ class SftTrainer:
 
     # ---------------------------------------------------------------- setup
     def preflight(self) -> None:
-        """Check config and data (batch sizes, files, schema, lengths) without process groups or a model."""
+        """Check config, data (complete dataset, files, schema, lengths) and the output directory (no other
+        writer, same run identity when resuming) without process groups, a model or any write."""
         self._check_batch_sizes()
         wanted = self.cfg.trainer.device
         check_attention(self.cfg, torch.cuda.is_available() if wanted == "auto" else wanted == "cuda")
         self.model_path = resolve_model_path(self.cfg.model.partial_pretrain)
         self._build_data()
+        self._check_output_dir()
 
     def setup(self) -> None:
         self._check_batch_sizes()
-        self._init_distributed()
-        torch.manual_seed(self.cfg.trainer.seed)
         self.model_path = resolve_model_path(self.cfg.model.partial_pretrain)
         self._build_data()
+        resume = self._check_output_dir()
+        self._init_distributed()
+        torch.manual_seed(self.cfg.trainer.seed)
         self._build_model()
         self._build_optimizer()
-        resumed = self._maybe_resume()
+        if self.rank == 0:
+            self.lock = DirLock(self.out_dir).acquire()
+            if not resume:
+                run_identity.reset_run_dir(self.out_dir, self.identity, OWNED_OUTPUTS)
+        dist.barrier()
+        resumed = self._maybe_resume() if resume else 0
         if self.rank == 0:
             ckpt.clean_staging(self.out_dir)
-            self.out_dir.mkdir(parents=True, exist_ok=True)
             OmegaConf.save(self.cfg, self.out_dir / "sft_config.yaml")
             self.metrics = MetricsLogger(self.out_dir, list(self.cfg.trainer.logger), self.cfg.trainer.project_name,
                                          self.cfg.trainer.experiment_name, OmegaConf.to_container(self.cfg),
                                          self.cfg.trainer.get("wandb_mode", "offline"), resumed)
+
+    def _check_output_dir(self) -> bool:
+        """Whether to continue the run in the output directory (read-only): a live writer, or a run of other
+        settings, data or model when resuming, raise a one-line error."""
+        if self.cfg.trainer.resume not in ("auto", "disable"):
+            raise ValueError(f"trainer.resume={self.cfg.trainer.resume!r}: use auto or disable")
+        data = self.cfg.data
+        files = [*self.train_data.files, *(self.val_data.files if self.val_data else [])]
+        inputs = {"train data": run_identity.files_checksum(self.train_data.files),
+                  "model": run_identity.model_checksum(self.cfg.model.partial_pretrain)}
+        if self.val_data is not None:
+            inputs["val data"] = run_identity.files_checksum(self.val_data.files)
+        config = OmegaConf.to_container(self.cfg, resolve=True)
+        self.identity = run_identity.build_identity(config, inputs, ignore=IDENTITY_IGNORED)
+        check_writable(self.out_dir)
+        check_unlocked(self.out_dir)
+        if data.require_data_card:
+            for file in files:
+                check_dataset_complete(file)
+        return run_identity.check_run_dir(self.out_dir, self.identity, self.cfg.trainer.resume == "auto",
+                                          OWNED_OUTPUTS, FRESH_HINT)
 
     def _check_batch_sizes(self) -> None:
         data = self.cfg.data
@@ -183,11 +224,7 @@ class SftTrainer:
         self.scheduler = get_cosine_schedule_with_warmup(self.optimizer, warmup, self.total_steps)
 
     def _maybe_resume(self) -> int:
-        """Load the newest resumable checkpoint when `trainer.resume=auto`; returns its step (0 if none)."""
-        if self.cfg.trainer.resume == "disable":
-            return 0
-        if self.cfg.trainer.resume != "auto":
-            raise ValueError(f"trainer.resume={self.cfg.trainer.resume!r}: use auto or disable")
+        """Load the newest resumable checkpoint of a run with the same identity; returns its step (0 if none)."""
         latest = ckpt.latest_resumable(self.out_dir)
         if latest is None:
             return 0
@@ -231,8 +268,8 @@ class SftTrainer:
     def train(self, stop_at_step: int | None = None) -> None:
         """Run until `total_steps` (or `stop_at_step`, to simulate an interrupted run)."""
         last = min(self.total_steps, stop_at_step or self.total_steps)
-        bar = tqdm(total=self.total_steps, initial=self.global_step, disable=self.rank != 0, desc="sft",
-                   dynamic_ncols=True)
+        bar = progress_bar(total=self.total_steps, initial=self.global_step, disable=self.rank != 0, desc="sft",
+                           dynamic_ncols=True)
         size = self.cfg.data.train_batch_size
         while self.global_step < last:
             epoch, index = divmod(self.global_step, self.steps_per_epoch)
@@ -315,6 +352,9 @@ class SftTrainer:
         bar.update(1)
         bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", lr=f"{metrics['train/lr']:.2e}",
                         tok_s=f"{metrics['train/tokens_per_s']:.0f}")
+        if bar.disable:  # no terminal: one plain line per step for the log file
+            print(f"step {self.global_step}/{self.total_steps}: loss {metrics['train/loss']:.4f} "
+                  f"lr {metrics['train/lr']:.2e}", flush=True)
         if "val/loss" in metrics:
             tqdm.write(f"step {self.global_step}: val/loss {metrics['val/loss']:.4f}")
 
@@ -357,6 +397,8 @@ class SftTrainer:
     def cleanup(self) -> None:
         if self.rank == 0 and hasattr(self, "metrics"):
             self.metrics.close()
+        if hasattr(self, "lock"):
+            self.lock.release()
         if dist.is_initialized():
             dist.destroy_process_group()
 

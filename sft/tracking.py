@@ -9,16 +9,17 @@ from pathlib import Path
 from typing import Any
 
 from SPA_agent import atomic_io
+from SPA_agent.metrics_file import read_records
 
 METRICS_FILE = "metrics.jsonl"
 
 
 def truncate_metrics(path: Path, last_step: int) -> None:
-    """Drop records past `last_step` (a resumed run re-logs them); atomic rewrite."""
+    """Drop records past `last_step` (a resumed run re-logs them) and a cut-short last line; atomic rewrite."""
     if not path.is_file():
         return
-    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
-    atomic_io.write_text(path, "".join(line + "\n" for line in kept))
+    records, _ = read_records(path)
+    atomic_io.write_jsonl(path, [r for r in records if r["step"] <= last_step])
 
 
 class MetricsLogger:

@@ -42,6 +42,14 @@ def test_run_spa_chains_data_sft_ppo_and_evaluation(tmp_path):
     assert "before_ppo" in summary and "after_ppo" in summary and "reported, not measured here" in summary
     assert "easy_to_hard" in summary and "Fig. 9: Easy2Hard SPA" in summary
     assert "== done. Outputs:" in result.stdout
+    # Issue 14, case 1: rerun with another SFT learning rate, asking to resume (generate_data in lower case).
+    # The data is kept (same settings), then SFT refuses in one line naming the key; nothing is mixed.
+    weights = next(dirs["CHECKPOINT_DIR"].glob("global_step_*/model.safetensors")).read_bytes()
+    env |= {"RESUME": "1", "SFT_OVERRIDES": env["SFT_OVERRIDES"].replace("optim.lr=1e-3", "optim.lr=1e-5")}
+    result = _run("run_spa.sh", "_3_frozen_lake", "last", "true", "trainer.test_freq=0", env=env)
+    assert result.returncode == 2 and "already holds this dataset" in result.stdout
+    assert "optim.lr (0.001 -> 1e-05)" in result.stderr and "Traceback" not in result.stderr
+    assert next(dirs["CHECKPOINT_DIR"].glob("global_step_*/model.safetensors")).read_bytes() == weights
 
 
 @pytest.mark.slow
@@ -66,6 +74,8 @@ def test_run_baseline_trains_from_the_base_model(tmp_path):
     ("run_baseline.sh", (), {}, "usage: bash run_baseline.sh"),
     ("run_baseline.sh", ("_2_sokoban", "experiment=spa"), {}, "experiment spa runs with run_spa.sh"),
     ("run_spa.sh", ("_2_sokoban", "last", "False", "experiment=easy_to_hard"), {}, "applies to _3_frozen_lake"),
+    ("run_spa.sh", ("_2_sokoban", "last", "maybe"), {}, "generate_data must be True or False, got 'maybe'"),
+    ("train_ppo_sfted.sh", ("_2_sokoban", "tiny", "x"), {"RESUME": "yes"}, "RESUME must be 0"),
 ])
 def test_scripts_report_user_errors_in_one_line(script, args, env, message):
     result = _run(script, *args, env=env, timeout=120)

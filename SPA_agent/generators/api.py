@@ -79,6 +79,7 @@ class APIGenerator:
         self.base_url, self.model = base_url, model
         self.sampling = dict(temperature=temperature, top_p=top_p, max_tokens=max_new_tokens)
         self.max_concurrency, self.max_retries = max_concurrency, max_retries
+        self.last_error: str | None = None  # the cause of the latest request given up with `allow_failures`
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self._errors = openai
         self._client = openai.OpenAI(api_key=api_key, base_url=base_url, timeout=timeout_s, max_retries=0)
@@ -114,9 +115,10 @@ class APIGenerator:
             for future in as_completed(futures):
                 try:
                     results[futures[future]] = future.result()
-                except APIGenerationError:
+                except APIGenerationError as err:
                     if not allow_failures:
                         raise
+                    self.last_error = str(err)
                     results[futures[future]] = Generation("", None, FINISH_ERROR)
         finally:
             pool.shutdown(wait=False, cancel_futures=True)

@@ -28,6 +28,7 @@ from SPA_agent.generators.base import (
     call_seed,
     stop_token_ids,
 )
+from SPA_agent.progress import progress_bar
 
 DECODERS = ("auto", "generate", "static")
 
@@ -147,15 +148,13 @@ class HFGenerator:
 
     def generate(self, prompts: list[Prompt]) -> list[Generation]:
         """Continue every prompt; chunks of `batch_size` prompts of similar length share one padded batch."""
-        from tqdm.auto import tqdm
-
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i].prompt_ids))
         chunks = [order[start : start + self.batch_size] for start in range(0, len(order), self.batch_size)]
         generator = torch.Generator(self.device).manual_seed(call_seed(self.sampling.seed, self._calls))
         self._calls += 1
         results: list[Generation | None] = [None] * len(prompts)
         with eval_mode(self.model):
-            for chunk in tqdm(
+            for chunk in progress_bar(
                 chunks, desc="generate", leave=False, disable=not self.progress or len(chunks) < 2
             ):
                 sampled = self._generate_chunk([prompts[i].prompt_ids for i in chunk], generator)

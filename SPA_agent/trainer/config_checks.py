@@ -51,11 +51,11 @@ def _check_batch_sizes(cfg: DictConfig) -> None:
                 f"{name}.ppo_micro_batch_size_per_gpu ({micro}) × n_gpus ({n_gpus}) must be ≤ and divide "
                 f"{name}.ppo_mini_batch_size ({mini}); lower micro_batch_size_per_gpu or change ppo_mini_batch_size"
             )
-        if kept < mini:
+        if kept < mini or kept % mini:
             raise ValueError(
                 f"the filtered batch has {kept} trajectories (int(rollout_filter_ratio {ratio} × env_groups "
-                f"{train.env_groups}) × group_size {train.group_size}), fewer than {name}.ppo_mini_batch_size "
-                f"({mini}); lower ppo_mini_batch_size or raise env_groups / rollout_filter_ratio"
+                f"{train.env_groups}) × group_size {train.group_size}), which {name}.ppo_mini_batch_size ({mini}) "
+                "must divide into whole mini-batches; change ppo_mini_batch_size or env_groups / rollout_filter_ratio"
             )
 
 

@@ -6,7 +6,8 @@
 
 Outputs go to `trainer.default_local_dir`: `config.yaml` (the composed config), `metrics.jsonl` (one line per
 step), `global_step_<s>/{actor,critic}` checkpoints and `latest_checkpointed_iteration.txt`. A rerun with the
-same directory resumes from the latest checkpoint (`trainer.resume_mode=auto`).
+same directory resumes from the latest checkpoint (`trainer.resume_mode=auto`) when its `run_identity.json`
+matches (same settings and starting model), and is refused otherwise; `trainer.resume_mode=disable` starts fresh.
 """
 
 from __future__ import annotations
@@ -21,9 +22,21 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from SPA_agent import run_identity
+from SPA_agent.atomic_io import write_text
 from SPA_agent.config import CONFIG_DIR
-from SPA_agent.entry import apply_system_env, exit_on_user_error
+from SPA_agent.dir_lock import DirLock, check_unlocked, check_writable
+from SPA_agent.entry import apply_system_env, exit_on_user_error, load_tokenizer
 
+#: config keys that do not change a run's content (the starting models enter its identity by checksum)
+IDENTITY_IGNORED = ("trainer.default_local_dir", "trainer.project_name", "trainer.experiment_name", "trainer.logger",
+                    "trainer.resume_mode", "trainer.save_freq", "trainer.max_actor_ckpt_to_keep",
+                    "trainer.max_critic_ckpt_to_keep", "model_path", "actor_rollout_ref.model.path",
+                    "critic.model.path", "system", "output_root", "data_gen", "evaluation")
+#: what a run writes into trainer.default_local_dir (a fresh run removes these, and nothing else)
+OWNED_OUTPUTS = ("global_step_*", ".global_step_*.partial", "latest_checkpointed_iteration.txt", "metrics.jsonl",
+                 "config.yaml", "wandb", run_identity.IDENTITY_FILE)
+FRESH_HINT = "pass trainer.resume_mode=disable"
 OOM_ADVICE = (
     "out of GPU memory. Lower micro_batch_size_per_gpu (log-prob, value and update micro-batches), "
     "actor_rollout_ref.rollout.response_length (tokens per turn) or agent_proxy.max_turn; set "
@@ -39,37 +52,76 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_trainer(cfg: DictConfig):
-    """Check the config, then build tokenizer, backend, agent proxy, logger and trainer (resumed if asked)."""
-    from transformers import AutoTokenizer
+def run_identity_of(cfg: DictConfig) -> run_identity.RunIdentity:
+    """What determines a PPO run's content: the config minus IDENTITY_IGNORED, and the starting models. The
+    number of steps counts only where a warmup ratio makes the LR schedule depend on it; otherwise a finished
+    run may be continued to more steps."""
+    ignored = IDENTITY_IGNORED if _schedule_uses_total_steps(cfg) else (*IDENTITY_IGNORED, "trainer.total_training_steps")
+    inputs = {"model": run_identity.model_checksum(cfg.actor_rollout_ref.model.path)}
+    if cfg.critic.model.path != cfg.actor_rollout_ref.model.path:
+        inputs["critic model"] = run_identity.model_checksum(cfg.critic.model.path)
+    return run_identity.build_identity(OmegaConf.to_container(cfg, resolve=True), inputs, ignore=ignored)
 
-    from SPA_agent.agent_proxy import LLMAgentProxy
-    from SPA_agent.atomic_io import write_text
-    from SPA_agent.tiny import resolve_model_path
+
+def _schedule_uses_total_steps(cfg: DictConfig) -> bool:
+    for optim in (cfg.actor_rollout_ref.actor.optim, cfg.critic.optim):
+        if (optim.get("lr_warmup_steps") or -1) < 0 and optim.get("lr_warmup_steps_ratio", 0.0) > 0:
+            return True
+    return False
+
+
+def load_backend(cfg: DictConfig, tokenizer):
+    """The worker group; a model directory that cannot be loaded (corrupt weights or config) is a user error."""
+    from safetensors import SafetensorError
+
     from SPA_agent.trainer.backend import build_backend
+
+    try:
+        return build_backend(cfg, tokenizer)
+    except (OSError, SafetensorError) as err:
+        raise ValueError(f"cannot load the model {cfg.actor_rollout_ref.model.path}: {err}") from None
+
+
+def build_trainer(cfg: DictConfig, lock: DirLock):
+    """Check config, model and output directory, then build tokenizer, backend, agent proxy, logger and trainer
+    (resumed when the directory holds a run of the same identity). Nothing is written before the checks."""
+    from SPA_agent.agent_proxy import LLMAgentProxy
     from SPA_agent.trainer.config_checks import check_config
     from SPA_agent.trainer.ppo_trainer import PPOTrainer
     from SPA_agent.trainer.tracking import MetricLogger
 
     check_config(cfg)
     output_dir = Path(cfg.trainer.default_local_dir)
-    write_text(output_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    tokenizer = load_tokenizer(cfg.actor_rollout_ref.model.path)
+    identity = run_identity_of(cfg)
+    check_writable(output_dir)
+    check_unlocked(output_dir)
+    resume = run_identity.check_run_dir(output_dir, identity, cfg.trainer.resume_mode == "auto", OWNED_OUTPUTS,
+                                        FRESH_HINT)
     seed_everything(cfg.trainer.seed)
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(cfg.actor_rollout_ref.model.path))
-    backend = build_backend(cfg, tokenizer)
+    backend = load_backend(cfg, tokenizer)
     proxy = LLMAgentProxy(cfg, backend, tokenizer, mode=cfg.ctx_manager.mode)
+    lock.acquire()
+    if not resume:
+        run_identity.reset_run_dir(output_dir, identity, OWNED_OUTPUTS)
+    write_text(output_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     trainer = PPOTrainer(cfg, backend, proxy, MetricLogger(cfg, output_dir))
-    trainer.resume()
+    if resume:
+        trainer.resume()
     return trainer
 
 
 def run(cfg: DictConfig) -> Path:
-    """Train; returns the output directory."""
-    trainer = build_trainer(cfg)
+    """Train; returns the output directory. The directory is locked for the run (one writer at a time)."""
+    lock = DirLock(Path(cfg.trainer.default_local_dir))
     try:
-        trainer.fit()
+        trainer = build_trainer(cfg, lock)
+        try:
+            trainer.fit()
+        finally:
+            trainer.logger.close()
     finally:
-        trainer.logger.close()
+        lock.release()
     return trainer.output_dir
 
 

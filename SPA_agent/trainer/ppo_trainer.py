@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from verl import DataProto
 from verl.trainer.ppo import core_algos
 
+from SPA_agent.progress import progress_bar
 from SPA_agent.trainer import algos, checkpoint
 from SPA_agent.trainer.backend import WorkerGroup
 from SPA_agent.trainer.metrics import PhaseTimer, data_metrics, mean_metrics, prefixed
@@ -48,7 +49,7 @@ class PPOTrainer:
         if self.global_step == 0 and trainer_cfg.val_before_train and trainer_cfg.test_freq > 0:
             self.logger.log(self.validate(), step=0)
         steps = range(self.global_step + 1, self.total_steps + 1)
-        for step in tqdm(steps, desc="ppo", initial=self.global_step, total=self.total_steps):
+        for step in progress_bar(steps, desc="ppo", initial=self.global_step, total=self.total_steps):
             timer = PhaseTimer()
             with timer("step"):
                 metrics = self.train_step(step, timer)

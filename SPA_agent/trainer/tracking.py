@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from SPA_agent.atomic_io import write_jsonl
+from SPA_agent.metrics_file import read_records
 
 METRICS_FILE = "metrics.jsonl"
 LOGGERS = ("console", "wandb")
@@ -19,11 +20,8 @@ CONSOLE_KEYS = ("critic/score/mean", "actor/pg_loss", "critic/vf_loss", "actor/e
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """The records of a metrics.jsonl file (one dict per logged step)."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    """The records of a metrics.jsonl file (one dict per logged step; a cut-short last line is dropped)."""
+    return read_records(path)[0]
 
 
 class MetricLogger:
@@ -41,9 +39,10 @@ class MetricLogger:
             self.wandb = _init_wandb(cfg)
 
     def truncate_after(self, step: int) -> None:
-        """Drop records of steps after `step` (a resumed run re-logs them), rewriting the file atomically."""
-        records = read_metrics(self.path)
-        if any(r["step"] > step for r in records):
+        """Drop records of steps after `step` (a resumed run re-logs them) and a cut-short last line, rewriting
+        the file atomically."""
+        records, intact = read_records(self.path)
+        if not intact or any(r["step"] > step for r in records):
             write_jsonl(self.path, [r for r in records if r["step"] <= step])
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:

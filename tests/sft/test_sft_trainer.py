@@ -32,6 +32,7 @@ def data_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("sftdata")
     write_rows(root / "wm_train.parquet", *synthetic_rows(16, seed=0))
     write_rows(root / "wm_val.parquet", *synthetic_rows(4, seed=1))
+    (root / "data_card.json").write_text("{}")  # a complete dataset
     return root
 
 

@@ -18,7 +18,8 @@ def test_entry_configs_pass_the_checks(config_name):
 
 @pytest.mark.parametrize("overrides, message", [
     (["micro_batch_size_per_gpu=3"], "must be ≤ and divide"),
-    (["ppo_mini_batch_size=128"], "fewer than actor_rollout_ref.actor.ppo_mini_batch_size"),
+    (["ppo_mini_batch_size=128"], "which actor_rollout_ref.actor.ppo_mini_batch_size"),
+    (["model=tiny", "ppo_mini_batch_size=3"], "the filtered batch has 4 trajectories"),
     (["actor_rollout_ref.rollout.rollout_filter_ratio=0.01"], "keeps no group"),
     (["actor_rollout_ref.rollout.rollout_filter_type=best"], "'max_mean', 'std', 'std_rev'"),
     (["algorithm.bi_level_gae=True", "agent_proxy.use_turn_scores=True"], "use_turn_scores=False"),

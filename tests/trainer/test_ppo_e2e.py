@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM
 
+from SPA_agent.dir_lock import DirLock
 from SPA_agent.trainer import checkpoint
 from SPA_agent.trainer.main_ppo import build_trainer, run
 from SPA_agent.trainer.tracking import read_metrics
@@ -56,9 +57,13 @@ def test_sokoban_run_resumes_from_saved_step_with_the_same_seeds(ppo_config):
                  "critic.model.enable_gradient_checkpointing=True", "trainer.save_freq=1", "trainer.test_freq=0")
     output = run(ppo_config("_2_sokoban", "trainer.total_training_steps=1", *overrides))
     assert checkpoint.saved_steps(output) == [1]
-    trainer = build_trainer(ppo_config("_2_sokoban", "trainer.total_training_steps=2", *overrides))
-    assert trainer.global_step == 1
-    trainer.fit()
+    lock = DirLock(output)  # build_trainer takes it once its checks pass
+    try:
+        trainer = build_trainer(ppo_config("_2_sokoban", "trainer.total_training_steps=2", *overrides), lock)
+        assert trainer.global_step == 1
+        trainer.fit()
+    finally:
+        lock.release()
     records = _check_run(output, "SimpleSokoban", [1, 2])
     # Train seeds are seed.train + env_groups·k + g: the resumed step 2 draws rollout k = 1, not k = 0 again.
     assert [r["rollout/first_seed"] for r in records] == [10000, 10002]

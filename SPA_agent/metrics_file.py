@@ -1,0 +1,31 @@
+"""Reading a metrics.jsonl (one JSON object per line, appended step by step by the PPO and SFT loggers).
+
+A run killed while appending can leave its last line cut short: that line is dropped (the resumed run logs the
+step again). A bad line anywhere else is a user-facing error naming the file and the line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def read_records(path: Path) -> tuple[list[dict], bool]:
+    """(records, intact): the JSON objects of `path` in order ([] if it does not exist); `intact` is False when a
+    cut-short last line was dropped, so a writer must rewrite the file before appending."""
+    path = Path(path)
+    if not path.exists():
+        return [], True
+    lines = path.read_text(encoding="utf-8").splitlines()
+    records, intact = [], True
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if number == len(lines):
+                intact = False
+                continue
+            raise ValueError(f"{path}:{number} is not a JSON line ({err.msg}); fix or delete that line") from None
+    return records, intact
