@@ -2,7 +2,7 @@
 # Vanilla RL baseline: the same PPO as SPA, from the untouched instruct model (no self-play data, no SFT).
 #
 #   bash run_baseline.sh <config> [hydra overrides...]      config: _2_sokoban | _3_frozen_lake | _10_sudoku
-# Environment: MODEL (1.5B; 0.5B, 3B, llama1B, tiny), RENDER_MODE, NGPUS, BASE_DIR (see train_ppo_sfted.sh).
+# Environment: MODEL (1.5B; 0.5B, 3B, llama1B, tiny, small), RENDER_MODE, NGPUS, BASE_DIR (see train_ppo_sfted.sh).
 set -euo pipefail
 cd "$(dirname "$0")"
 . scripts/common.sh
