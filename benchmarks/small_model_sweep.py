@@ -4,7 +4,7 @@
     python benchmarks/small_model_sweep.py ppo --out /tmp/sweep      # PPO actor learning rates on the bandit
 
 `sft`: random-generator Sokoban data in add_worldmodel mode (what `run_spa.sh` makes for a from-scratch model),
-then `--sft-steps` SFT steps of the small model per learning rate (loss_target=paper, batch 4); reports the mean
+then `--sft-steps` SFT steps of the small model per learning rate (loss_target=paper, `--sft-batch` rows); reports the mean
 train loss of the last 5 steps and the validation loss. `ppo`: the learning test's bandit pipeline
 (config/_bandit.yaml) with the small model: one SFT, then PPO per actor learning rate; reports validation
 success before and after, and the actor entropy of the last step. Runs on CPU, one torch thread.
@@ -47,7 +47,7 @@ def sweep_sft(args) -> list[dict]:
     rows = []
     for lr in args.lrs:
         _, records = sft_run(data, args.out / f"sft-lr{lr}", [
-            f"optim.lr={lr}", "data.train_batch_size=4", f"trainer.total_training_steps={args.sft_steps}",
+            f"optim.lr={lr}", f"data.train_batch_size={args.sft_batch}", f"trainer.total_training_steps={args.sft_steps}",
             "trainer.total_epochs=100", "data.max_length=2048", "data.max_tokens_per_micro_batch=4096",
             f"trainer.save_freq={args.sft_steps}"])
         train = [r["train/loss"] for r in records if "train/loss" in r]
@@ -82,6 +82,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="working directory (data, checkpoints, results)")
     parser.add_argument("--lrs", type=float, nargs="+", help="learning rates to sweep")
     parser.add_argument("--sft-steps", type=int, default=25, help="SFT steps per learning rate (sft stage)")
+    parser.add_argument("--sft-batch", type=int, default=4, help="SFT rows per optimizer step (sft stage)")
     parser.add_argument("--bandit-sft-lr", type=float, default=1e-3, help="SFT learning rate of the ppo stage")
     args = parser.parse_args()
     args.lrs = args.lrs or ([1e-4, 5e-4, 2e-3] if args.stage == "sft" else [1e-5, 1e-4, 1e-3])

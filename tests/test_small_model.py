@@ -15,14 +15,13 @@ from SPA_agent.config import compose
 from SPA_agent.tiny import SMALL_SHAPE, resolve_model_path
 
 REPO = Path(__file__).resolve().parents[1]
-#: CPU sizes: 2 puzzles × 2 envs, 2 turns of ≤ 16 tokens, one PPO step, 2 validation samples
+#: CPU sizes on the bandit (config/_bandit.yaml: one turn, ~190-token prompts): 2 × 2 envs, one PPO step
 CPU_SIZES = [
     "es_manager.train.env_groups=2", "es_manager.train.group_size=2", "es_manager.train.env_configs.n_groups=[2]",
     "es_manager.val.env_groups=1", "es_manager.val.group_size=2", "es_manager.val.env_configs.n_groups=[1]",
-    "agent_proxy.max_turn=2", "actor_rollout_ref.rollout.response_length=16", "ppo_mini_batch_size=2",
-    "actor_rollout_ref.rollout.rollout_filter_ratio=1", "micro_batch_size_per_gpu=2", "trainer.test_freq=0",
-    "actor_rollout_ref.model.enable_gradient_checkpointing=False", "critic.model.enable_gradient_checkpointing=False",
-    "evaluation.n=2", "evaluation.k=[1,2]", "evaluation.bootstrap_resamples=20", "evaluation.write_plots=false",
+    "ppo_mini_batch_size=2", "micro_batch_size_per_gpu=2", "actor_rollout_ref.rollout.rollout_filter_ratio=1",
+    "trainer.test_freq=0", "evaluation.n=2", "evaluation.k=[1,2]", "evaluation.bootstrap_resamples=20",
+    "evaluation.write_plots=false",
 ]
 
 
@@ -57,14 +56,13 @@ def test_run_spa_with_model_small_runs_every_stage_on_cpu(tmp_path):
             "EVAL_DIR": tmp_path / "evals"}
     env = {**os.environ, **{k: str(v) for k, v in dirs.items()}, "MODEL": "small", "BT_NUM": "1", "TOTAL_STEPS": "1",
            "SFT_OVERRIDES": "trainer.total_training_steps=1 data.train_batch_size=2 trainer.device=cpu"}
-    result = subprocess.run(["bash", str(REPO / "run_spa.sh"), "_3_frozen_lake", "last", "True", *CPU_SIZES],
+    result = subprocess.run(["bash", str(REPO / "run_spa.sh"), "_bandit", "last", "True", *CPU_SIZES],
                             capture_output=True, text=True, check=False, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    card = json.loads((dirs["OUTPUT_DIR"] / "data_card.json").read_text())
-    assert card["num_train"] > 0
+    assert json.loads((dirs["OUTPUT_DIR"] / "data_card.json").read_text())["num_train"] > 0
     sft_step = sorted(dirs["CHECKPOINT_DIR"].glob("global_step_*"))[-1]
     assert json.loads((sft_step / "config.json").read_text())["hidden_size"] == 512
-    run_dir = next((dirs["BASE_DIR"] / "_3_frozen_lake").iterdir())
+    run_dir = next((dirs["BASE_DIR"] / "_bandit").iterdir())
     assert "-small-" in run_dir.name
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["step"] == 1 and "actor/pg_loss" in records[-1]
