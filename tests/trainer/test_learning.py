@@ -26,7 +26,7 @@ from SPA_agent.trainer.tracking import read_metrics
 
 CONFIG = "_bandit"
 SUCCESS = "val-env/Bandit/success"
-CHANCE = (0.25, 0.75)  # step-0 validation success of the SFT checkpoint: about 0.5, well away from 0.9
+CHANCE = (0.2, 0.8)  # step-0 validation success of the SFT checkpoint: about 0.6 (0.58 and 0.69 seen), below 0.9
 TARGET = 0.9
 
 
