@@ -2,9 +2,10 @@
 
 A two-armed bandit whose optimum is known (always pull Blue). Stage 1 plays it with the random generator, so
 the self-play data names each arm about half the time; stage 2 (the real SFT trainer) teaches the tiny model
-the answer format, which leaves it at chance (~0.5 success); stage 3 is the real PPO trainer (agent proxy,
+the answer format, which leaves it at chance (~0.6 success); stage 3 is the real PPO trainer (agent proxy,
 context-manager masks, StarPO-S filter, verl's GAE or GRPO and losses, local backend) from that checkpoint.
-Validation on the 64 held-out validation episodes must go from chance before training to >= 0.9 at the end.
+Validation success (64 episodes sampled on the validation seeds by the trainer's own validation; every seed is
+the same bandit) must go from chance before training to >= 0.9 at the end.
 
 It fails when PPO's plumbing breaks: a flipped advantage sign, a loss mask shifted by one token or covering the
 prompt, a misplaced score, old and new log-probs swapped (docs/ppo.md lists the hand-made mutations and what
