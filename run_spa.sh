@@ -32,7 +32,7 @@ if [ "$MODEL" = tiny ]; then
     SFT_OVERRIDES="${SFT_OVERRIDES:-optim.lr=1e-3 trainer.total_epochs=3 data.max_tokens_per_micro_batch=2048}"
 elif [ "$MODEL" = small ]; then
     BT_NUM="${BT_NUM:-5}"; GENERATOR="${GENERATOR:-random}"
-    SFT_OVERRIDES="${SFT_OVERRIDES:-optim.lr=5e-4 trainer.total_epochs=2}"
+    SFT_OVERRIDES="${SFT_OVERRIDES:-optim.lr=5e-4 trainer.total_epochs=2}"  # docs/small_model.md
 else
     BT_NUM="${BT_NUM:-5}"; GENERATOR="${GENERATOR:-$EVAL_GENERATOR}"
 fi
