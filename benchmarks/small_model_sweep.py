@@ -1,7 +1,7 @@
 """CPU sweeps behind the `small` preset's settings (docs/small_model.md). Not a test: a script that prints tables.
 
-    python benchmarks/small_model_sweep.py sft --out /tmp/sweep      # SFT learning rates on Sokoban self-play data
-    python benchmarks/small_model_sweep.py ppo --out /tmp/sweep      # PPO actor learning rates on the bandit
+    python benchmarks/small_model_sweep.py sft --out sweep      # SFT learning rates on Sokoban self-play data
+    python benchmarks/small_model_sweep.py ppo --out sweep      # PPO actor learning rates on the bandit
 
 `sft`: random-generator Sokoban data in add_worldmodel mode (what `run_spa.sh` makes for a from-scratch model),
 then `--sft-steps` SFT steps of the small model per learning rate (loss_target=paper, `--sft-batch` rows); reports the mean
