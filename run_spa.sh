@@ -6,7 +6,7 @@
 #   config         _2_sokoban | _3_frozen_lake | _10_sudoku
 #   ckpt           SFT checkpoint to start PPO from: `last` (highest global_step_N) or a step number N
 #   generate_data  True: run stages 1 and 2 first; False: use an existing SFT checkpoint
-# Environment: MODEL (1.5B; 0.5B, 3B, llama1B, tiny), RENDER_MODE (text_with_coordinates | text),
+# Environment: MODEL (1.5B; 0.5B, 3B, llama1B, tiny, small), RENDER_MODE (text_with_coordinates | text),
 #   BT_NUM (rollout batches of data, 5), GENERATOR (data generator: vllm when installed, else hf;
 #   random for MODEL=tiny), NGPUS (detected), OUTPUT_DIR, CHECKPOINT_DIR, BASE_DIR (PPO runs, ./checkpoints),
 #   SFT_OVERRIDES (extra Hydra overrides for the SFT stage, space separated), EVAL_DIR (./evals/<experiment>).
@@ -16,7 +16,8 @@
 #   (data_gen.format_filter=false keeps every row).
 # RESUME (0: every stage starts fresh in its directory, the default; 1: continue runs with the same settings).
 # MODEL=tiny uses CPU-sized settings: 2 data batches of 4 × 2 envs with the random generator, 3 SFT epochs
-# at lr 1e-3, 2 PPO steps, and an evaluation on 4 puzzles × 2 samples.
+# at lr 1e-3, 2 PPO steps, and an evaluation on 4 puzzles × 2 samples. MODEL=small (from scratch) plays the
+# random generator for its data and uses the SFT settings of docs/small_model.md.
 set -euo pipefail
 cd "$(dirname "$0")"
 . scripts/common.sh
@@ -43,6 +44,9 @@ EVAL_GENERATOR="$(default_generator)"
 if [ "$MODEL" = tiny ]; then
     BT_NUM="${BT_NUM:-2}"; GENERATOR="${GENERATOR:-${EXP_DATA_GENERATOR:-random}}"
     SFT_DEFAULTS="optim.lr=1e-3 trainer.total_epochs=3 data.max_tokens_per_micro_batch=2048"
+elif [ "$MODEL" = small ]; then
+    BT_NUM="${BT_NUM:-5}"; GENERATOR="${GENERATOR:-${EXP_DATA_GENERATOR:-random}}"
+    SFT_DEFAULTS="optim.lr=5e-4 trainer.total_epochs=2"  # docs/small_model.md
 else
     BT_NUM="${BT_NUM:-5}"; GENERATOR="${GENERATOR:-${EXP_DATA_GENERATOR:-$EVAL_GENERATOR}}"
     SFT_DEFAULTS=""
@@ -83,7 +87,7 @@ for which in before_ppo after_ppo; do
     python -m SPA_agent.evaluate --config-name "$CONFIG_NAME" model="$PRESET" model_path="$model_path" \
         render_mode="$RENDER_MODE" generator="$EVAL_GENERATOR" evaluation.output_dir="$EVAL_DIR/$which" "$@"
 done
-PAPER_ARGS=(); [ "$MODEL" = tiny ] || PAPER_ARGS=(--paper-model "$MODEL")
+PAPER_ARGS=(); case "$MODEL" in tiny|small) ;; *) PAPER_ARGS=(--paper-model "$MODEL") ;; esac  # the paper has no tiny/small
 python -m SPA_agent.report "$EVAL_DIR/before_ppo" "$EVAL_DIR/after_ppo" "$RUN_DIR" "${PAPER_ARGS[@]}" \
     --out "$EVAL_DIR/summary.md"
 

@@ -2,7 +2,7 @@
 # PPO (stage 3) from a checkpoint: an SFT checkpoint for SPA, the instruct model for the baseline.
 #
 #   bash train_ppo_sfted.sh <config> <checkpoint path | hub id | tiny> <experiment name> [hydra overrides...]
-# Environment: MODEL (1.5B; 0.5B, 3B, llama1B, tiny: selects CPU-sized settings), RENDER_MODE (default: the
+# Environment: MODEL (1.5B; 0.5B, 3B, llama1B, tiny: selects CPU-sized settings, small), RENDER_MODE (default: the
 #   config's, text_with_coordinates unless an experiment=<name> sets it), NGPUS (detected), BASE_DIR (runs go
 #   to $BASE_DIR/<config>/<experiment>, default ./checkpoints), TOTAL_STEPS (1000; 2 for tiny), ROLLOUT_TP (vLLM tensor parallel size with
 #   more than one GPU; default: all of them), RESUME (0: start fresh in the run directory, the default; 1: continue

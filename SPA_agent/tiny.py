@@ -1,10 +1,11 @@
-"""The embedded tiny model: a small Qwen2-architecture causal LM and a ChatML tokenizer, built offline.
+"""The embedded models: Qwen2-architecture causal LMs over one ChatML tokenizer, built offline.
 
-`model_path=tiny` resolves (through `resolve_model_path`) to a Hugging Face directory that this module builds
-deterministically on first use and caches, so every stage runs on a laptop or in CI with no download. The
-tokenizer is a byte-level BPE trained on a fixed corpus of the prompts' vocabulary (grid symbols such as `√`,
-digits, tags, action names), so any text round-trips through it; the model has random weights from a fixed
-seed. Build twice, get byte-identical files.
+`model_path=tiny` (~0.8M parameters, for CI and smoke runs) and `model_path=small` (~25M parameters, a
+from-scratch model for small-scale learning experiments) resolve (through `resolve_model_path`) to Hugging
+Face directories that this module builds deterministically on first use and caches, so every stage runs with
+no download. The tokenizer is a byte-level BPE trained on a fixed corpus of the prompts' vocabulary (grid
+symbols such as `√`, digits, tags, action names), so any text round-trips through it; the models have random
+weights from a fixed seed. Build twice, get byte-identical files.
 """
 
 from __future__ import annotations
@@ -12,10 +13,14 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 TINY_NAME = "tiny"
 TINY_VERSION = "v1"  # bump when the recipe changes: the cache is keyed on it
+SMALL_NAME = "small"
+SMALL_VERSION = "v1"
+MARKER_FILE = "spa_tiny.json"  # written last into every embedded model's directory: {"name", "version"}
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "spa_agent"
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -39,7 +44,34 @@ MODEL_SHAPE = dict(
     rope_theta=10000.0,
     tie_word_embeddings=True,
 )
+#: ~24.6M parameters: 8 layers × ~3.0M (attention 0.66M with 2 KV heads, MLP 2.36M) + 1.0M tied embeddings
+SMALL_SHAPE = dict(
+    MODEL_SHAPE,
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+)
 SEED = 0
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """One embedded model: its `model_path` name, cache version and Qwen2Config shape."""
+
+    name: str
+    version: str
+    shape: dict
+
+
+EMBEDDED_MODELS = {
+    model.name: model
+    for model in (
+        EmbeddedModel(TINY_NAME, TINY_VERSION, MODEL_SHAPE),
+        EmbeddedModel(SMALL_NAME, SMALL_VERSION, SMALL_SHAPE),
+    )
+}
 
 
 def _corpus() -> list[str]:
@@ -91,7 +123,7 @@ def _build_tokenizer():
     return tokenizer
 
 
-def _build_model(tokenizer):
+def _build_model(tokenizer, shape: dict):
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -100,7 +132,7 @@ def _build_model(tokenizer):
         bos_token_id=tokenizer.convert_tokens_to_ids(BOS_OR_PAD),
         eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
         pad_token_id=tokenizer.convert_tokens_to_ids(BOS_OR_PAD),
-        **MODEL_SHAPE,
+        **shape,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED)
@@ -114,41 +146,55 @@ def _build_model(tokenizer):
     return model
 
 
-def build_tiny_model(output_dir: str | Path) -> Path:
-    """Build the tiny model + tokenizer into `output_dir` (written atomically: a temp dir, then a rename)."""
+def build_embedded_model(name: str, output_dir: str | Path) -> Path:
+    """Build embedded model `name` + tokenizer into `output_dir` (written atomically: a temp dir, then a rename)."""
+    spec = EMBEDDED_MODELS[name]
     output_dir = Path(output_dir)
     output_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".tiny-", dir=output_dir.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=output_dir.parent))
     try:
         tokenizer = _build_tokenizer()
-        model = _build_model(tokenizer)
+        model = _build_model(tokenizer, spec.shape)
         tokenizer.save_pretrained(staging)
         model.save_pretrained(staging, safe_serialization=True)
-        (staging / "spa_tiny.json").write_text(json.dumps({"name": TINY_NAME, "version": TINY_VERSION}))
+        (staging / MARKER_FILE).write_text(json.dumps({"name": spec.name, "version": spec.version}))
         try:
             staging.rename(output_dir)
         except OSError:  # another process finished first: keep theirs
-            if not (output_dir / "spa_tiny.json").exists():
+            if not (output_dir / MARKER_FILE).exists():
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return output_dir
 
 
-def tiny_model_dir(cache_dir: str | Path | None = None) -> Path:
-    """Directory of the cached tiny model, building it first if needed."""
-    target = Path(cache_dir or DEFAULT_CACHE_DIR) / f"tiny-{TINY_VERSION}"
-    if not (target / "spa_tiny.json").exists():
-        build_tiny_model(target)
+def build_tiny_model(output_dir: str | Path) -> Path:
+    """Build the tiny model + tokenizer into `output_dir`."""
+    return build_embedded_model(TINY_NAME, output_dir)
+
+
+def embedded_model_dir(name: str, cache_dir: str | Path | None = None) -> Path:
+    """Directory of the cached embedded model `name` (`tiny`, `small`), building it first if needed."""
+    spec = EMBEDDED_MODELS[name]
+    target = Path(cache_dir or DEFAULT_CACHE_DIR) / f"{spec.name}-{spec.version}"
+    if not (target / MARKER_FILE).exists():
+        build_embedded_model(name, target)
     return target
 
 
+def tiny_model_dir(cache_dir: str | Path | None = None) -> Path:
+    """Directory of the cached tiny model, building it first if needed."""
+    return embedded_model_dir(TINY_NAME, cache_dir)
+
+
 def resolve_model_path(model_path: str, cache_dir: str | Path | None = None) -> str:
-    """Map `tiny` to the embedded model's directory; any other Hub id or local path passes through unchanged."""
-    if str(model_path) == TINY_NAME:
-        return str(tiny_model_dir(cache_dir))
+    """Map `tiny` / `small` to the embedded model's directory; any other Hub id or local path passes through."""
+    if str(model_path) in EMBEDDED_MODELS:
+        return str(embedded_model_dir(str(model_path), cache_dir))
     return str(model_path)
 
 
 if __name__ == "__main__":
-    print(tiny_model_dir())
+    import sys
+
+    print(embedded_model_dir(sys.argv[1] if len(sys.argv) > 1 else TINY_NAME))

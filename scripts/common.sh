@@ -22,7 +22,7 @@ is_resume() {
     esac
 }
 
-# model_preset SIZE: Hydra model preset for MODEL=0.5B|1.5B|3B|llama1B|tiny.
+# model_preset SIZE: Hydra model preset for MODEL=0.5B|1.5B|3B|llama1B|tiny|small.
 model_preset() {
     case "$1" in
         0.5B) echo qwen2.5-0.5b ;;
@@ -30,12 +30,13 @@ model_preset() {
         3B) echo qwen2.5-3b ;;
         llama1B) echo llama3.2-1b ;;
         tiny) echo tiny ;;
-        *) die "unknown MODEL '$1'; choose one of 0.5B, 1.5B, 3B, llama1B, tiny" ;;
+        small) echo small ;;
+        *) die "unknown MODEL '$1'; choose one of 0.5B, 1.5B, 3B, llama1B, tiny, small" ;;
     esac
 }
 
 # model_family SIZE: short family name used in checkpoint directory names.
-model_family() { case "$1" in llama*) echo llama ;; tiny) echo tiny ;; *) echo qwen ;; esac; }
+model_family() { case "$1" in llama*) echo llama ;; tiny|small) echo "$1" ;; *) echo qwen ;; esac; }
 
 # gpu_count: visible CUDA devices (CUDA_VISIBLE_DEVICES if set, else nvidia-smi), 0 without CUDA.
 gpu_count() {

@@ -1,5 +1,5 @@
 """The SPA environments as gymnasium environments: `gymnasium.make("SPA/Sokoban-v0")`,
-`"SPA/FrozenLake-v0"`, `"SPA/Sudoku-v0"` (registered on `import SPA_agent.envs`).
+`"SPA/FrozenLake-v0"`, `"SPA/Sudoku-v0"`, `"SPA/Bandit-v0"` (registered on `import SPA_agent.envs`).
 
 Observations are the text renders (`gymnasium.spaces.Text`); actions are indices into
 `get_all_actions()` (`Discrete`); `step` returns gymnasium's 5-tuple. An episode is *terminated* when the
@@ -18,7 +18,8 @@ from gymnasium import spaces
 
 from SPA_agent.envs.base import MAX_SEED, REGISTRY, BaseEnv, build_config
 
-GYM_IDS = {"sokoban": "SPA/Sokoban-v0", "frozen_lake": "SPA/FrozenLake-v0", "sudoku": "SPA/Sudoku-v0"}
+GYM_IDS = {"sokoban": "SPA/Sokoban-v0", "frozen_lake": "SPA/FrozenLake-v0", "sudoku": "SPA/Sudoku-v0",
+           "bandit": "SPA/Bandit-v0"}
 CHARSET = frozenset(string.ascii_letters + string.digits + " \n_#.,;:|()√✓*@")
 """Characters a render may contain, besides the symbols of the config's `grid_lookup`."""
 
@@ -70,6 +71,8 @@ def _at_step_limit(env: BaseEnv) -> bool:
 def _max_length(env: BaseEnv) -> int:
     """A bound on the render length: every cell and newline, plus ~16 characters per reported cell."""
     cfg = env.config
+    if env.env_type == "bandit":  # `Pulls left: N. The last pull (<name>) paid <payoff>.`
+        return 64 + max(len(name) for name in cfg.action_lookup.values()) + len(f"{cfg.payoff:g}")
     rows = getattr(cfg, "dim_x", None) or getattr(cfg, "size", None) or cfg.board_size
     cols = getattr(cfg, "dim_y", None) or getattr(cfg, "size", None) or cfg.board_size
     symbol = max((len(s) for s in (getattr(cfg, "grid_lookup", None) or {0: "."}).values()), default=1)
@@ -82,7 +85,7 @@ def make_gym_env(env_type: str, render_mode: str | None = None, **env_config: An
 
 
 def register_gym_envs() -> None:
-    """Register the three env types under their `GYM_IDS` (idempotent)."""
+    """Register the env types under their `GYM_IDS` (idempotent)."""
     for env_type, gym_id in GYM_IDS.items():
         if gym_id not in gymnasium.registry:
             gymnasium.register(

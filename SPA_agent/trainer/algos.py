@@ -6,12 +6,13 @@ Notation (spec §10.3, docs/interfaces.md "One rollout"):
     T  sequence length of `input_ids`; every (B, T-1) tensor is aligned with `responses = input_ids[:, 1:]`
     mask  `loss_mask` (B, T-1): the positions that train (the driver sets `response_mask := loss_mask`)
 
-GAE and the losses come from `verl.trainer.ppo.core_algos`; this module only adds the rollout filter and the
-bi-level GAE glue (turn-level GAE, then token-level GAE inside each turn). No models, no processes.
+GAE, GRPO and the losses come from `verl.trainer.ppo.core_algos`; this module only adds the rollout filter and
+the bi-level GAE glue (turn-level GAE, then token-level GAE inside each turn). No models, no processes.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from verl.trainer.ppo import core_algos
 from verl.utils import torch_functional as verl_F
@@ -201,17 +202,52 @@ def bi_level_gae(
     return advantages, returns
 
 
+#: advantage estimators (`algorithm.adv_estimator`) -> whether they need a critic (values)
+ADV_ESTIMATORS: dict[str, bool] = {"gae": True, "grpo": False}
+
+
+def needs_critic(adv_estimator: str) -> bool:
+    """Whether `adv_estimator` reads critic values (GRPO does not: no value model is built or trained)."""
+    if adv_estimator not in ADV_ESTIMATORS:
+        raise ValueError(f"algorithm.adv_estimator={adv_estimator!r} is not supported; choose one of "
+                         f"{list(ADV_ESTIMATORS)}")
+    return ADV_ESTIMATORS[adv_estimator]
+
+
+def grpo(
+    token_level_rewards: torch.Tensor, mask: torch.Tensor, group_ids: np.ndarray, norm_by_std: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's GRPO outcome advantage: (score − group mean) / (group std + 1e-6) on every `mask` position.
+
+    The score is the row sum of `token_level_rewards` (B, T-1), so where it sits in the row does not matter;
+    `group_ids` (B,) are the rollout's groups (same seed). `norm_by_std=False` is Dr. GRPO (no division).
+    Returns (advantages, returns), equal, both (B, T-1).
+    """
+    return core_algos.compute_grpo_outcome_advantage(
+        token_level_rewards=token_level_rewards, response_mask=mask, index=group_ids,
+        norm_adv_by_std_in_grpo=norm_by_std,
+    )
+
+
 def compute_advantages(
     token_level_rewards: torch.Tensor,
-    values: torch.Tensor,
+    values: torch.Tensor | None,
     mask: torch.Tensor,
     response_mask: torch.Tensor,
     gamma: float,
     lam: float,
     bi_level: bool = False,
     high_level_gamma: float = 1.0,
+    estimator: str = "gae",
+    group_ids: np.ndarray | None = None,
+    norm_adv_by_std_in_grpo: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(advantages, returns), both (B, T-1): verl's GAE, or bi-level GAE when `bi_level`."""
+    """(advantages, returns), both (B, T-1): verl's GAE, bi-level GAE when `bi_level`, or verl's GRPO over
+    `group_ids` when `estimator="grpo"` (no values)."""
+    if estimator == "grpo":
+        if group_ids is None:
+            raise ValueError("GRPO needs the rollout's group ids")
+        return grpo(token_level_rewards, mask, group_ids, norm_adv_by_std_in_grpo)
     if bi_level:
         return bi_level_gae(token_level_rewards, values, mask, response_mask, gamma, lam, high_level_gamma)
     return gae(token_level_rewards, values, mask, gamma, lam)

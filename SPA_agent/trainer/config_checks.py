@@ -5,10 +5,9 @@ from __future__ import annotations
 from omegaconf import DictConfig
 from verl.trainer.ppo import core_algos
 
-from SPA_agent.trainer.algos import ROLLOUT_FILTERS
+from SPA_agent.trainer.algos import ADV_ESTIMATORS, ROLLOUT_FILTERS
 from SPA_agent.trainer.backend import BACKENDS
 
-ADV_ESTIMATORS = ("gae",)
 RESUME_MODES = ("auto", "disable")
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -70,6 +69,9 @@ def _check_algorithm(cfg: DictConfig) -> None:
     if algo.bi_level_gae and (algo.adv_estimator != "gae" or cfg.agent_proxy.use_turn_scores):
         raise ValueError("algorithm.bi_level_gae=True needs algorithm.adv_estimator=gae and "
                          "agent_proxy.use_turn_scores=False")
+    if algo.adv_estimator == "grpo" and cfg.trainer.backend != "local":
+        raise ValueError("algorithm.adv_estimator=grpo runs on trainer.backend=local only (the verl backend always "
+                         "builds a critic); use algorithm.adv_estimator=gae with trainer.backend=verl")
     if (actor.use_kl_loss or algo.use_kl_in_reward) and not actor.use_ref:
         raise ValueError("a KL loss or KL-in-reward needs the reference model: set actor_rollout_ref.actor.use_ref=True")
     if actor.use_kl_loss and algo.use_kl_in_reward:

@@ -22,6 +22,7 @@ from verl.workers.config import ActorConfig
 
 from SPA_agent.tiny import resolve_model_path
 from SPA_agent.trainer import local_models as lm
+from SPA_agent.trainer.algos import needs_critic
 
 OPTIMIZER_FILE = "optimizer.pt"
 
@@ -86,16 +87,12 @@ class LocalBackend:
     def __init__(self, cfg: DictConfig, tokenizer):
         self.cfg, self.tokenizer = cfg, tokenizer
         self.device = resolve_device(cfg.trainer.device)
-        arr, critic_cfg = cfg.actor_rollout_ref, cfg.critic
+        arr = cfg.actor_rollout_ref
         self.model_path = resolve_model_path(arr.model.path)
         total_steps = cfg.trainer.total_training_steps
         actor = lm.load_actor(self.model_path, self.device, arr.model.enable_gradient_checkpointing)
         self.actor = Trainable.build(actor, arr.actor.optim, arr.actor.grad_clip, total_steps)
-        critic_path = resolve_model_path(critic_cfg.model.path)
-        with torch.random.fork_rng(devices=[]):  # the value head's init depends on trainer.seed only
-            torch.manual_seed(cfg.trainer.seed)
-            critic = lm.load_critic(critic_path, self.device, critic_cfg.model.enable_gradient_checkpointing)
-        self.critic = Trainable.build(critic, critic_cfg.optim, critic_cfg.grad_clip, total_steps)
+        self.critic = self._build_critic(cfg) if needs_critic(cfg.algorithm.adv_estimator) else None
         self.has_ref = bool(arr.actor.use_ref)
         ref_device = torch.device("cpu") if arr.ref.offload_to_cpu else self.device
         self.ref = lm.load_reference(self.model_path, ref_device) if self.has_ref else None
@@ -109,6 +106,18 @@ class LocalBackend:
         )
         self._generator = None
         self._rollout_model: nn.Module | None = None
+
+    def _build_critic(self, cfg: DictConfig) -> Trainable:
+        critic_cfg = cfg.critic
+        with torch.random.fork_rng(devices=[]):  # the value head's init depends on trainer.seed only
+            torch.manual_seed(cfg.trainer.seed)
+            critic = lm.load_critic(resolve_model_path(critic_cfg.model.path), self.device,
+                                    critic_cfg.model.enable_gradient_checkpointing)
+        return Trainable.build(critic, critic_cfg.optim, critic_cfg.grad_clip, cfg.trainer.total_training_steps)
+
+    def _trainables(self) -> dict[str, Trainable]:
+        """The trained models by checkpoint role: actor, and critic when the estimator has one."""
+        return {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
 
     # ---------------------------------------------------------------- generation
 
@@ -255,7 +264,7 @@ class LocalBackend:
     # ---------------------------------------------------------------- checkpoints
 
     def save(self, directory: Path) -> None:
-        for role, trainable in (("actor", self.actor), ("critic", self.critic)):
+        for role, trainable in self._trainables().items():
             target = Path(directory) / role
             trainable.model.save_pretrained(target)
             self.tokenizer.save_pretrained(target)
@@ -264,7 +273,7 @@ class LocalBackend:
     def load(self, directory: Path) -> None:
         loaders = {"actor": lambda p: lm.load_actor(p, torch.device("cpu"), False),
                    "critic": lambda p: lm.load_critic(p, torch.device("cpu"), False)}
-        for role, trainable in (("actor", self.actor), ("critic", self.critic)):
+        for role, trainable in self._trainables().items():
             source = Path(directory) / role
             trainable.model.load_state_dict(loaders[role](str(source)).state_dict())
             trainable.load_state_dict(torch.load(source / OPTIMIZER_FILE, map_location=self.device))

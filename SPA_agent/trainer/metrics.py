@@ -48,7 +48,8 @@ def data_metrics(batch: DataProto) -> dict[str, float]:
 
     `critic/score` is the trajectory score (row sum of `token_level_scores`), `critic/rewards` the same after
     the KL penalty; advantages/returns/values are statistics over the trained positions (`response_mask`);
-    `critic/vf_explained_var` = 1 − Var(returns − values) / Var(returns) over those positions.
+    `critic/vf_explained_var` = 1 − Var(returns − values) / Var(returns) over those positions (values and
+    explained variance only when there is a critic).
     """
     t = batch.batch
     mask = t["response_mask"]
@@ -57,12 +58,13 @@ def data_metrics(batch: DataProto) -> dict[str, float]:
         **_stats("critic/rewards", t["token_level_rewards"].sum(-1)),
         **_masked_stats("critic/advantages", t["advantages"], mask),
         **_masked_stats("critic/returns", t["returns"], mask),
-        **_masked_stats("critic/values", t["values"], mask),
         **_stats("response_length", t["assistant_mask"].sum(-1)),
         **_stats("loss_tokens", mask.sum(-1)),
         "rollout/old_log_prob": verl_F.masked_mean(t["old_log_probs"], mask).item(),
     }
-    if mask.sum() > 1:
+    if "values" in t:
+        metrics.update(_masked_stats("critic/values", t["values"], mask))
+    if "values" in t and mask.sum() > 1:
         var_returns = verl_F.masked_var(t["returns"], mask)
         var_error = verl_F.masked_var(t["returns"] - t["values"], mask)
         metrics["critic/vf_explained_var"] = (1.0 - var_error / (var_returns + 1e-5)).item()

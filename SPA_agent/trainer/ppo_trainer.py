@@ -6,9 +6,9 @@ One step is a list of named, timed phases (`timing_s/<phase>`):
     filter         StarPO-S: keep the groups with the most spread-out scores; response_mask := loss_mask
     old_log_prob   actor log-probs of the batch (and entropies)
     ref            reference log-probs (when a reference model exists)
-    values         critic values
-    adv            rewards (optionally minus β·KL) and GAE / bi-level GAE advantages
-    update_critic  clipped value loss, one pass of mini-batches
+    values         critic values (not with GRPO, which has no critic)
+    adv            rewards (optionally minus β·KL) and GAE / bi-level GAE / GRPO advantages
+    update_critic  clipped value loss, one pass of mini-batches (not with GRPO)
     update_actor   clipped policy loss − entropy bonus (+ KL loss), after critic_warmup steps
     testing        validation rollouts (`val-env/*`) every test_freq steps and at the last step
     save_checkpoint  every save_freq steps and at the last step
@@ -39,6 +39,7 @@ class PPOTrainer:
         self.output_dir = Path(cfg.trainer.default_local_dir)
         self.total_steps = int(cfg.trainer.total_training_steps)
         self.kl_ctrl = core_algos.get_kl_controller(cfg.algorithm.kl_ctrl)
+        self.use_critic = algos.needs_critic(cfg.algorithm.adv_estimator)
         self.global_step = 0
 
     # ---------------------------------------------------------------- the loop
@@ -77,12 +78,14 @@ class PPOTrainer:
         if self.backend.has_ref:
             with timer("ref"):
                 batch = batch.union(self.backend.compute_ref_log_prob(batch))
-        with timer("values"):
-            batch = batch.union(self.backend.compute_values(batch))
+        if self.use_critic:
+            with timer("values"):
+                batch = batch.union(self.backend.compute_values(batch))
         with timer("adv"):
             metrics.update(self.compute_advantage(batch))
-        with timer("update_critic"):
-            metrics.update(self.backend.update_critic(batch))
+        if self.use_critic:
+            with timer("update_critic"):
+                metrics.update(self.backend.update_critic(batch))
         if step > self.cfg.trainer.critic_warmup:
             with timer("update_actor"):
                 metrics.update(self.backend.update_actor(batch))
@@ -125,8 +128,10 @@ class PPOTrainer:
         else:
             t["token_level_rewards"] = t["token_level_scores"]
         t["advantages"], t["returns"] = algos.compute_advantages(
-            t["token_level_rewards"], t["values"], t["response_mask"], t["assistant_mask"],
+            t["token_level_rewards"], t.get("values"), t["response_mask"], t["assistant_mask"],
             gamma=algo.gamma, lam=algo.lam, bi_level=algo.bi_level_gae, high_level_gamma=algo.high_level_gamma,
+            estimator=algo.adv_estimator, group_ids=batch.non_tensor_batch.get("group_ids"),
+            norm_adv_by_std_in_grpo=algo.get("norm_adv_by_std_in_grpo", True),
         )
         return metrics
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from SPA_agent.envs import GYM_IDS, REGISTRY, make_env
 
-ENV_TYPES = ["sokoban", "frozen_lake", "sudoku"]
+ENV_TYPES = ["sokoban", "frozen_lake", "sudoku", "bandit"]
 REPO = Path(__file__).resolve().parents[2]
 RENDER_SCRIPT = """
 import json, sys
@@ -36,8 +36,8 @@ def test_registry_has_the_three_env_types():
 
 
 def test_make_env_rejects_unknown_type_and_keys():
-    with pytest.raises(ValueError, match="bandit"):
-        make_env("bandit")
+    with pytest.raises(ValueError, match="webshop"):
+        make_env("webshop")
     with pytest.raises(ValueError, match="dim_z"):
         make_env("sokoban", {"dim_z": 3})
 

@@ -127,3 +127,18 @@ def test_kl_penalty_in_reward_only_on_mask():
     assert kl == pytest.approx(-0.5)
     expected = core_algos.kl_penalty(old, ref, "kl") * mask
     torch.testing.assert_close(rewards, scores - 0.1 * expected)
+
+
+def test_grpo_advantage_is_the_group_normalised_score_wherever_it_sits():
+    """verl's GRPO through algos.compute_advantages: (score − group mean) / group std on every masked token."""
+    import numpy as np
+
+    mask = torch.tensor([[0, 1, 1, 0], [0, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]], dtype=torch.float32)
+    scores = torch.zeros(4, 4)
+    scores[0, 2], scores[1, 1], scores[2, 1], scores[3, 0] = 1.0, 0.0, 3.0, 1.0  # groups {0, 1} and {2, 3}
+    advantages, returns = algos.compute_advantages(scores, None, mask, mask, gamma=1.0, lam=1.0, estimator="grpo",
+                                                   group_ids=np.array([0, 0, 1, 1]))
+    per_row = torch.tensor([1.0, -1.0, 1.0, -1.0]) / 2**0.5  # (x − mean) / unbiased std of a pair
+    torch.testing.assert_close(advantages, per_row[:, None] * mask, atol=1e-5, rtol=0)
+    torch.testing.assert_close(returns, advantages)
+    assert algos.needs_critic("gae") and not algos.needs_critic("grpo")

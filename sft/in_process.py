@@ -1,0 +1,39 @@
+"""World-model SFT in the calling process (one rank, no torchrun): for tests and sweeps that chain stages.
+
+    from sft.in_process import train
+    checkpoint = train(["data.train_files=d/wm_train.parquet", "model.partial_pretrain=tiny",
+                        "trainer.default_local_dir=out", "trainer.device=cpu"])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from sft.checkpointing import checkpoints
+from sft.spa_sft_trainer import SftTrainer
+
+CONFIG_DIR = Path(__file__).resolve().parent / "config"
+
+
+def compose(overrides: Sequence[str] = ()) -> DictConfig:
+    """sft/config/sft_trainer.yaml with command-line style overrides."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return hydra_compose(config_name="sft_trainer", overrides=list(overrides))
+
+
+def train(overrides: Sequence[str] = ()) -> Path:
+    """setup / train / cleanup of one rank; returns the last `global_step_N` checkpoint directory."""
+    cfg = compose(overrides)
+    trainer = SftTrainer(cfg)
+    try:
+        trainer.setup()
+        trainer.train()
+    finally:
+        trainer.cleanup()
+    return checkpoints(cfg.trainer.default_local_dir)[-1][1]
