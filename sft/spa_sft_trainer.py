@@ -46,9 +46,12 @@ from sft.packing import (
 )
 from sft.spa_sft_dataset import SpaSftDataset
 from sft.tracking import MetricsLogger
+from SPA_agent import atomic_io
 from SPA_agent.tiny import resolve_model_path
 
 FLEX_PAD_MULTIPLE = 512
+# Per split: rows, longest row, rows truncated and tokens cut (SpaSftDataset.truncation_report).
+TRUNCATION_FILE = "truncation.json"
 
 
 def resolve_kernel_choices(cfg: DictConfig, use_cuda: bool) -> None:
@@ -98,9 +101,21 @@ class SftTrainer:
             ckpt.clean_staging(self.out_dir)
             self.out_dir.mkdir(parents=True, exist_ok=True)
             OmegaConf.save(self.cfg, self.out_dir / "sft_config.yaml")
+            truncation = self.report_truncation()
             self.metrics = MetricsLogger(self.out_dir, list(self.cfg.trainer.logger), self.cfg.trainer.project_name,
-                                         self.cfg.trainer.experiment_name, OmegaConf.to_container(self.cfg),
+                                         self.cfg.trainer.experiment_name,
+                                         OmegaConf.to_container(self.cfg) | {"truncation": truncation},
                                          self.cfg.trainer.get("wandb_mode", "offline"), resumed)
+
+    def report_truncation(self) -> dict[str, dict]:
+        """Print one line per split on what data.truncation cut, and write it to truncation.json."""
+        splits = {"train": self.train_data, "val": self.val_data}
+        reports = {name: data.truncation_report for name, data in splits.items() if data is not None}
+        for name, report in reports.items():
+            print(f"sft data {name}: {report.describe()}", flush=True)
+        summary = {name: report.as_dict() for name, report in reports.items()}
+        atomic_io.write_json(self.out_dir / TRUNCATION_FILE, summary)
+        return summary
 
     def _check_batch_sizes(self) -> None:
         data = self.cfg.data
