@@ -6,7 +6,7 @@
 set -euo pipefail
 
 usage() {
-    echo "usage: $0 <env_type> <nproc_per_node> <save_path> <data_path> <model_size: 0.5B|1.5B|3B|tiny> [hydra overrides...]" >&2
+    echo "usage: $0 <env_type> <nproc_per_node> <save_path> <data_path> <model_size: 0.5B|1.5B|3B|llama1B|tiny> [hydra overrides...]" >&2
     echo "  <data_path> must hold wm_train.parquet and wm_val.parquet (stage 1 output)" >&2
     exit 2
 }
@@ -19,10 +19,15 @@ data_path=$4
 model_size=$5
 shift 5
 
+# max_length: the paper's 2048 (spec §2.4); longer rows lose the start of their prompt (data.truncation=left,
+# counted in the log and in <save_path>/truncation.json). The tiny model's byte-level tokenizer writes more
+# tokens per row: its self-play rows measure up to 1998 (Sokoban), 1939 (FrozenLake) and 2473 (Sudoku) tokens.
+max_length=2048
 case "$model_size" in
     0.5B|1.5B|3B) model="Qwen/Qwen2.5-${model_size}-Instruct" ;;
-    tiny) model=tiny ;;
-    *) echo "error: model size '$model_size' is not one of 0.5B, 1.5B, 3B, tiny" >&2; exit 2 ;;
+    llama1B) model=meta-llama/Llama-3.2-1B-Instruct ;;
+    tiny) model=tiny; max_length=4096 ;;
+    *) echo "error: model size '$model_size' is not one of 0.5B, 1.5B, 3B, llama1B, tiny" >&2; exit 2 ;;
 esac
 if ! [[ "$nproc_per_node" =~ ^[1-9][0-9]*$ ]]; then
     echo "error: nproc_per_node must be a positive integer, got '$nproc_per_node'" >&2
@@ -54,7 +59,7 @@ overrides=(
     data.val_files="$data_path/wm_val.parquet"
     data.prompt_key=prompt
     data.response_key=response
-    data.max_length=2048
+    data.max_length="$max_length"
     optim.lr=1e-4
     data.train_batch_size=16
     data.micro_batch_size_per_gpu=1

@@ -17,36 +17,59 @@ def _run(script: str, *args: str, env: dict | None = None, timeout: int = 600) -
                           env={**os.environ, "MODEL": "tiny", **(env or {})}, timeout=timeout)
 
 
+# CI-sized runs of the same code path: one SFT epoch, one PPO step without validation rollouts, one thread
+# (OpenMP threads spinning on a loaded 2-core machine make tiny runs many times slower).
+FAST_ENV = {"BT_NUM": "2", "TOTAL_STEPS": "1", "OMP_NUM_THREADS": "1",
+            "SFT_OVERRIDES": "optim.lr=1e-3 trainer.total_epochs=1 data.max_tokens_per_micro_batch=4096"}
+FAST_PPO = ("trainer.test_freq=0",)
+
+
+def _assert_summary_printed(result: subprocess.CompletedProcess, eval_dir: Path) -> None:
+    summary = (eval_dir / "summary.md").read_text()
+    assert "before_ppo" in summary and "after_ppo" in summary and "reported, not measured here" in summary
+    assert "## Our results (measured)" in result.stdout and "Vanilla RL" in result.stdout
+    assert "== done. Outputs:" in result.stdout and f"{eval_dir}/summary.md" in result.stdout
+
+
 @pytest.mark.slow
-def test_run_spa_chains_data_sft_ppo_and_evaluation(tmp_path):
+@pytest.mark.parametrize("config, tag", [("_2_sokoban", "SimpleSokoban"), ("_3_frozen_lake", "FrozenLake"),
+                                         ("_10_sudoku", "Sudoku")])
+def test_run_spa_chains_data_sft_ppo_and_evaluation(tmp_path, config, tag):
     dirs = {"OUTPUT_DIR": tmp_path / "data", "CHECKPOINT_DIR": tmp_path / "sft", "BASE_DIR": tmp_path / "ppo",
             "EVAL_DIR": tmp_path / "evals"}
-    env = {**{k: str(v) for k, v in dirs.items()}, "BT_NUM": "2", "TOTAL_STEPS": "1",
-           "SFT_OVERRIDES": "optim.lr=1e-3 trainer.total_epochs=1 data.max_tokens_per_micro_batch=2048"}
-    result = _run("run_spa.sh", "_3_frozen_lake", "last", "True", "trainer.test_freq=0", env=env)
+    env = {**{k: str(v) for k, v in dirs.items()}, **FAST_ENV}
+    result = _run("run_spa.sh", config, "last", "True", *FAST_PPO, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     assert (dirs["OUTPUT_DIR"] / "wm_train.parquet").is_file() and (dirs["OUTPUT_DIR"] / "data_card.json").is_file()
+    # the tiny preset's SFT length fits every row its own tokenizer produces (5-turn Sudoku rows are the longest)
+    truncation = json.loads((dirs["CHECKPOINT_DIR"] / "truncation.json").read_text())
+    assert truncation["train"]["rows_truncated"] == 0 and truncation["val"]["rows_truncated"] == 0
+    assert truncation["train"]["longest_row_tokens"] <= truncation["train"]["max_length"] == 4096
+    assert "sft data train: " in result.stdout
     sft_steps = sorted(dirs["CHECKPOINT_DIR"].glob("global_step_*"))
     assert sft_steps and (sft_steps[-1] / "config.json").is_file()
-    runs = list((dirs["BASE_DIR"] / "_3_frozen_lake").iterdir())
+    runs = list((dirs["BASE_DIR"] / config).iterdir())
     assert len(runs) == 1 and runs[0].name.endswith(sft_steps[-1].name)
     assert (runs[0] / "global_step_1" / "actor" / "config.json").is_file()
     for which in ("before_ppo", "after_ppo"):
         report = json.loads((dirs["EVAL_DIR"] / which / "eval.json").read_text())
-        assert "FrozenLake" in report["metrics"] and report["complete"] is True
-    summary = (dirs["EVAL_DIR"] / "summary.md").read_text()
-    assert "before_ppo" in summary and "after_ppo" in summary and "reported, not measured here" in summary
-    assert "== done. Outputs:" in result.stdout
+        assert tag in report["metrics"] and report["complete"] is True
+    _assert_summary_printed(result, dirs["EVAL_DIR"])
 
 
 @pytest.mark.slow
-def test_run_baseline_trains_from_the_base_model(tmp_path):
-    result = _run("run_baseline.sh", "_10_sudoku", "trainer.test_freq=0",
-                  env={"BASE_DIR": str(tmp_path), "TOTAL_STEPS": "1"})
+def test_run_baseline_trains_from_the_base_model_and_prints_the_summary(tmp_path):
+    eval_dir = tmp_path / "evals"
+    result = _run("run_baseline.sh", "_10_sudoku", *FAST_PPO,
+                  env={**FAST_ENV, "BASE_DIR": str(tmp_path), "EVAL_DIR": str(eval_dir)})
     assert result.returncode == 0, result.stderr[-2000:]
     run_dir = tmp_path / "_10_sudoku" / "_10_sudoku-tiny-text_with_coordinates-baseline"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["step"] == 1 and "train/Sudoku/success" in records[-1]
+    before = json.loads((eval_dir / "before_ppo" / "eval.json").read_text())
+    after = json.loads((eval_dir / "after_ppo" / "eval.json").read_text())
+    assert before["model_name"] == "tiny" and "global_step_1" in after["model_name"]
+    _assert_summary_printed(result, eval_dir)
 
 
 @pytest.mark.parametrize("script, args, env, message", [
@@ -56,6 +79,9 @@ def test_run_baseline_trains_from_the_base_model(tmp_path):
     ("run_spa.sh", ("_2_sokoban",), {"MODEL": "7B"}, "unknown MODEL '7B'"),
     ("train_ppo_sfted.sh", ("_2_sokoban", str(REPO / "config"), "x"), {}, "is not a Hugging Face model directory"),
     ("run_baseline.sh", (), {}, "usage: bash run_baseline.sh"),
+    # llama1B is a model preset of the main job: stage 2 accepts it (and then checks the data)
+    ("sft/finetune_ft.sh", ("_2_sokoban", "1", "/nonexistent/sft", "/nonexistent/data", "llama1B"), {},
+     "wm_train.parquet not found"),
 ])
 def test_scripts_report_user_errors_in_one_line(script, args, env, message):
     result = _run(script, *args, env=env, timeout=120)
