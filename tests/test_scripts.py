@@ -17,11 +17,12 @@ def _run(script: str, *args: str, env: dict | None = None, timeout: int = 600) -
                           env={**os.environ, "MODEL": "tiny", **(env or {})}, timeout=timeout)
 
 
-# CI-sized runs of the same code path: one SFT epoch, one PPO step without validation rollouts, one thread
-# (OpenMP threads spinning on a loaded 2-core machine make tiny runs many times slower).
+# CI-sized runs of the same code path: the full-length self-play data of the default run (2 batches, 5 turns:
+# Sudoku's long rows), one SFT step, one PPO step without validation rollouts, 48 new tokens per turn, 2 puzzles
+# per evaluation, one thread (OpenMP threads spinning on a loaded 2-core machine make tiny runs much slower).
 FAST_ENV = {"BT_NUM": "2", "TOTAL_STEPS": "1", "OMP_NUM_THREADS": "1",
-            "SFT_OVERRIDES": "optim.lr=1e-3 trainer.total_epochs=1 data.max_tokens_per_micro_batch=4096"}
-FAST_PPO = ("trainer.test_freq=0",)
+            "SFT_OVERRIDES": "optim.lr=1e-3 trainer.total_training_steps=1 data.max_tokens_per_micro_batch=4096"}
+FAST_PPO = ("trainer.test_freq=0", "actor_rollout_ref.rollout.response_length=48", "evaluation.num_puzzles=2")
 
 
 def _assert_summary_printed(result: subprocess.CompletedProcess, eval_dir: Path) -> None:
