@@ -4,7 +4,9 @@
 # state_estimation_rl (or RENDER_MODE=text_with_coordinates) is its "State Estimation RL" row.
 #
 #   bash run_baseline.sh <config> [experiment=<name>] [hydra overrides...]   config: _2_sokoban | _3_frozen_lake | _10_sudoku
-# Environment: MODEL (1.5B; 0.5B, 3B, llama1B, tiny, small), RENDER_MODE, NGPUS, BASE_DIR, RESUME (see train_ppo_sfted.sh).
+# Environment: MODEL (1.5B; 0.5B, 3B, llama1B, tiny, small), RENDER_MODE, NGPUS, BASE_DIR, RESUME (see train_ppo_sfted.sh),
+#   EVAL_DIR (./evals/<experiment>). Ends like run_spa.sh: the model evaluated before and after PPO, a summary
+#   beside the paper's rows, and where everything was written.
 set -euo pipefail
 cd "$(dirname "$0")"
 . scripts/common.sh
@@ -19,4 +21,12 @@ MODEL="${MODEL:-${EXP_MODEL:-1.5B}}"
 RENDER_MODE="$EXP_RENDER_MODE"
 export MODEL RENDER_MODE
 MODEL_PATH="$(python -c "from SPA_agent.config import compose; print(compose('$CONFIG_NAME', ['model=$(model_preset "$MODEL")']).model_path)")"
-bash ./train_ppo_sfted.sh "$CONFIG_NAME" "$MODEL_PATH" "${CONFIG_NAME}-${MODEL}-${RENDER_MODE}-${EXPERIMENT}" "$@"
+EXPERIMENT_NAME="${CONFIG_NAME}-${MODEL}-${RENDER_MODE}-${EXPERIMENT}"
+RUN_DIR="${BASE_DIR:-./checkpoints}/$CONFIG_NAME/$EXPERIMENT_NAME"
+echo "== PPO from $MODEL_PATH -> $RUN_DIR"
+bash ./train_ppo_sfted.sh "$CONFIG_NAME" "$MODEL_PATH" "$EXPERIMENT_NAME" "$@"
+
+EVAL_DIR="${EVAL_DIR:-./evals/$EXPERIMENT_NAME}"
+evaluate_before_after "$CONFIG_NAME" "$MODEL_PATH" "$RUN_DIR" "$EVAL_DIR" "$@"
+echo "== done. Outputs:"
+print_ppo_outputs "$RUN_DIR" "$EVAL_DIR"

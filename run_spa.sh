@@ -40,15 +40,14 @@ MODEL="${MODEL:-${EXP_MODEL:-1.5B}}"
 RENDER_MODE="$EXP_RENDER_MODE"
 PRESET="$(model_preset "$MODEL")"
 NGPUS="$(gpu_count)"
-EVAL_GENERATOR="$(default_generator)"
 if [ "$MODEL" = tiny ]; then
     BT_NUM="${BT_NUM:-2}"; GENERATOR="${GENERATOR:-${EXP_DATA_GENERATOR:-random}}"
-    SFT_DEFAULTS="optim.lr=1e-3 trainer.total_epochs=3 data.max_tokens_per_micro_batch=2048"
+    SFT_DEFAULTS="optim.lr=1e-3 trainer.total_epochs=3 data.max_tokens_per_micro_batch=4096"
 elif [ "$MODEL" = small ]; then
     BT_NUM="${BT_NUM:-5}"; GENERATOR="${GENERATOR:-${EXP_DATA_GENERATOR:-random}}"
     SFT_DEFAULTS="optim.lr=5e-4 trainer.total_epochs=2"  # docs/small_model.md
 else
-    BT_NUM="${BT_NUM:-5}"; GENERATOR="${GENERATOR:-${EXP_DATA_GENERATOR:-$EVAL_GENERATOR}}"
+    BT_NUM="${BT_NUM:-5}"; GENERATOR="${GENERATOR:-${EXP_DATA_GENERATOR:-$(default_generator)}}"
     SFT_DEFAULTS=""
 fi
 # SFT overrides, later ones win: CPU-sized defaults, the experiment's, then SFT_OVERRIDES.
@@ -80,22 +79,11 @@ echo "== stage 3: PPO from $CKPT_PATH -> $RUN_DIR"
 bash ./train_ppo_sfted.sh "$CONFIG_NAME" "$CKPT_PATH" "$EXPERIMENT_NAME" "$@"
 
 EVAL_DIR="${EVAL_DIR:-./evals/$EXPERIMENT_NAME}"
-FINAL_ACTOR="$(latest_checkpoint "$RUN_DIR")/actor"
-echo "== evaluation ($EVAL_GENERATOR): before PPO ($CKPT_PATH) and after PPO ($FINAL_ACTOR) -> $EVAL_DIR"
-for which in before_ppo after_ppo; do
-    model_path="$CKPT_PATH"; [ "$which" = after_ppo ] && model_path="$FINAL_ACTOR"
-    python -m SPA_agent.evaluate --config-name "$CONFIG_NAME" model="$PRESET" model_path="$model_path" \
-        render_mode="$RENDER_MODE" generator="$EVAL_GENERATOR" evaluation.output_dir="$EVAL_DIR/$which" "$@"
-done
-PAPER_ARGS=(); case "$MODEL" in tiny|small) ;; *) PAPER_ARGS=(--paper-model "$MODEL") ;; esac  # the paper has no tiny/small
-python -m SPA_agent.report "$EVAL_DIR/before_ppo" "$EVAL_DIR/after_ppo" "$RUN_DIR" "${PAPER_ARGS[@]}" \
-    --out "$EVAL_DIR/summary.md"
+evaluate_before_after "$CONFIG_NAME" "$CKPT_PATH" "$RUN_DIR" "$EVAL_DIR" "$@"
 
 cat <<SUMMARY
 == done. Outputs:
    self-play data     $OUTPUT_DIR  (data_card.md)
    SFT checkpoints    $CHECKPOINT_DIR  (started PPO from $(basename "$CKPT_PATH"))
-   PPO run            $RUN_DIR  (metrics.jsonl, final actor $FINAL_ACTOR)
-   evaluations        $EVAL_DIR/{before_ppo,after_ppo}  (eval.json, trajectories.jsonl, passk.png)
-   summary            $EVAL_DIR/summary.md  (our numbers beside the paper's)
 SUMMARY
+print_ppo_outputs "$RUN_DIR" "$EVAL_DIR"

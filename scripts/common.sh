@@ -78,4 +78,31 @@ load_experiment() {
     settings="$(python -m SPA_agent.experiments settings --render-mode "${RENDER_MODE:-}" "$pipeline" "$config" -- "$@")" \
         || exit 2
     eval "$settings"
+# evaluate_before_after CONFIG BEFORE_MODEL RUN_DIR EVAL_DIR [overrides...]: evaluate BEFORE_MODEL and the final
+# actor of the PPO run RUN_DIR into EVAL_DIR/{before_ppo,after_ppo}, then write EVAL_DIR/summary.md (our rows
+# beside the paper's). Reads MODEL and RENDER_MODE.
+evaluate_before_after() {
+    local config="$1" before="$2" run_dir="$3" eval_dir="$4" generator final which model_path
+    shift 4
+    generator="$(default_generator)"
+    final="$(latest_checkpoint "$run_dir")/actor"
+    echo "== evaluation ($generator): before PPO ($before) and after PPO ($final) -> $eval_dir"
+    for which in before_ppo after_ppo; do
+        model_path="$before"; [ "$which" = after_ppo ] && model_path="$final"
+        python -m SPA_agent.evaluate --config-name "$config" model="$(model_preset "$MODEL")" \
+            model_path="$model_path" render_mode="$RENDER_MODE" generator="$generator" \
+            evaluation.output_dir="$eval_dir/$which" "$@"
+    done
+    local paper_args=(); case "$MODEL" in tiny|small) ;; *) paper_args=(--paper-model "$MODEL") ;; esac  # not in the paper
+    python -m SPA_agent.report "$eval_dir/before_ppo" "$eval_dir/after_ppo" "$run_dir" "${paper_args[@]}" \
+        --out "$eval_dir/summary.md"
+}
+
+# print_ppo_outputs RUN_DIR EVAL_DIR: the closing lines shared by run_spa.sh and run_baseline.sh.
+print_ppo_outputs() {
+    cat <<OUTPUTS
+   PPO run            $1  (metrics.jsonl, final actor $(latest_checkpoint "$1")/actor)
+   evaluations        $2/{before_ppo,after_ppo}  (eval.json, trajectories.jsonl, passk.png)
+   summary            $2/summary.md  (our numbers beside the paper's)
+OUTPUTS
 }

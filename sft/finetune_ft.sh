@@ -20,10 +20,14 @@ data_path=$4
 model_size=$5
 shift 5
 
+# max_length: the paper's 2048 (spec §2.4); longer rows lose the start of their prompt (data.truncation=left,
+# counted in the log and in <save_path>/truncation.json). The tiny model's byte-level tokenizer writes more
+# tokens per row: its self-play rows measure up to 1998 (Sokoban), 1939 (FrozenLake) and 2473 (Sudoku) tokens.
+max_length=2048
 case "$model_size" in
     0.5B|1.5B|3B) model="Qwen/Qwen2.5-${model_size}-Instruct"; family="qwen-2.5" ;;
     llama1B) model="meta-llama/Llama-3.2-1B-Instruct"; family="llama-3.2" ;;
-    tiny|small) model=$model_size; family=$model_size ;;
+    tiny|small) model=$model_size; family=$model_size; max_length=4096 ;;  # the embedded byte-level tokenizer
     *) echo "error: model size '$model_size' is not one of 0.5B, 1.5B, 3B, llama1B, tiny, small" >&2; exit 2 ;;
 esac
 if ! [[ "$nproc_per_node" =~ ^[1-9][0-9]*$ ]]; then
@@ -62,7 +66,7 @@ overrides=(
     data.val_files="$data_path/wm_val.parquet"
     data.prompt_key=prompt
     data.response_key=response
-    data.max_length=2048
+    data.max_length="$max_length"
     optim.lr=1e-4
     data.train_batch_size=16
     data.micro_batch_size_per_gpu=1

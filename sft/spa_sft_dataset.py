@@ -3,7 +3,8 @@
 Each row has `prompt` (list<struct<content, role>>: the chat up to the assistant turn) and `response` (the
 assistant message); other columns (ours or the released data's) are ignored. Rows are rendered by
 `sft.loss_targets.build_text` (the one place that decides which tokens train), tokenized once at
-construction, and truncated with masks kept aligned to ids (fixing spec §12.15).
+construction, and truncated with masks kept aligned to ids (fixing spec §12.15). What truncation removed is
+kept in `SpaSftDataset.truncation_report`, so a run can say how many rows were cut and by how much.
 
 Conventions: `input_ids` (T,) = prompt ids followed by target ids; `loss_mask` (T,) is 1 where
 `input_ids[i]` is a trained target, i.e. the logits at position i−1 are scored against it. Position 0 is never
@@ -34,7 +35,7 @@ from sft.loss_targets import (
 class Truncation(str, enum.Enum):
     """Config value `data.truncation`: what to do with a row longer than `data.max_length` tokens."""
 
-    LEFT = "left"  # keep the last max_length tokens (the prompt's start is dropped)
+    LEFT = "left"  # keep the last max_length tokens (the prompt's start is dropped); the original's default
     RIGHT = "right"  # keep the first max_length tokens (the response's end is dropped)
     ERROR = "error"  # refuse the data set
 
@@ -44,6 +45,38 @@ class Truncation(str, enum.Enum):
             return cls(value)
         except ValueError:
             raise ValueError(f"data.truncation={value!r} is not one of {[m.value for m in cls]}") from None
+
+
+@dataclass(frozen=True)
+class TruncationReport:
+    """What `data.truncation` did to one data set.
+
+    cuts: tokens removed from each truncated row; trained_tokens_cut: loss-mask tokens among them, summed
+    over rows (0 under `left` unless a response alone exceeds max_length).
+    """
+
+    rows: int
+    longest: int
+    max_length: int
+    mode: str
+    cuts: tuple[int, ...] = ()
+    trained_tokens_cut: int = 0
+
+    def as_dict(self) -> dict[str, float | int | str]:
+        """Flat numbers for a JSON file or a metrics record."""
+        return {"rows": self.rows, "longest_row_tokens": self.longest, "max_length": self.max_length,
+                "truncation": self.mode, "rows_truncated": len(self.cuts),
+                "tokens_cut_max": max(self.cuts, default=0),
+                "tokens_cut_mean": sum(self.cuts) / len(self.cuts) if self.cuts else 0.0,
+                "trained_tokens_cut": self.trained_tokens_cut}
+
+    def describe(self) -> str:
+        """One line for the log."""
+        head = f"{self.rows} rows, longest {self.longest} tokens (data.max_length={self.max_length})"
+        if not self.cuts:
+            return f"{head}, none truncated"
+        return (f"{head}: {len(self.cuts)} truncated ({self.mode}), tokens cut max {max(self.cuts)}, "
+                f"mean {sum(self.cuts) / len(self.cuts):.1f}, trained tokens cut {self.trained_tokens_cut}")
 
 
 @dataclass(frozen=True)
@@ -108,12 +141,12 @@ class SpaSftDataset(torch.utils.data.Dataset):
         tokenizer: a fast tokenizer with a chat template; for `released` it must already hold the
             placeholder tokens (`sft.loss_targets.prepare_tokenizer`).
         max_length: the longest sequence (prompt + target) in tokens.
-        truncation: `left`, `right` or `error` for longer rows.
+        truncation: `left` (the original's default, spec §4.6), `right` or `error` for longer rows.
         loss_target: which target tokens train (`sft.loss_targets.LossTarget`).
     """
 
     def __init__(self, files: str | Sequence[str], tokenizer, max_length: int = 2048,
-                 truncation: str = "error", loss_target: str = "paper", prompt_key: str = "prompt",
+                 truncation: str = "left", loss_target: str = "paper", prompt_key: str = "prompt",
                  response_key: str = "response"):
         if not getattr(tokenizer, "is_fast", False):
             raise ValueError("SFT needs a fast tokenizer (offset mappings locate the trained spans)")
@@ -124,25 +157,33 @@ class SpaSftDataset(torch.utils.data.Dataset):
         self.max_length = max_length
         self.files = [files] if isinstance(files, (str, Path)) else list(files)
         prompts, responses = read_rows(files, prompt_key, response_key)
-        self.samples = self._tokenize(tokenizer, prompts, responses)
+        self.samples, self.truncation_report = self._tokenize(tokenizer, prompts, responses)
 
-    def _tokenize(self, tokenizer, prompts: list[list[dict]], responses: list[str]) -> list[SftSample]:
+    def _tokenize(self, tokenizer, prompts: list[list[dict]],
+                  responses: list[str]) -> tuple[list[SftSample], TruncationReport]:
         eot = end_of_turn_token(tokenizer)
         texts = [build_text(tokenizer, p, r, self.loss_target, eot) for p, r in zip(prompts, responses)]
         prompt_ids = tokenizer([t.prompt_text for t in texts], add_special_tokens=False)["input_ids"]
         target = tokenizer([t.target_text for t in texts], add_special_tokens=False,
                            return_offsets_mapping=True)
         special = placeholder_ids(tokenizer) if self.loss_target is LossTarget.RELEASED else None
-        samples = []
+        samples, cuts, trained_cut, longest = [], [], 0, 0
         for row, text in enumerate(texts):
             ids = prompt_ids[row] + target["input_ids"][row]
             mask = [0] * len(prompt_ids[row]) + token_loss_mask(target["offset_mapping"][row], text.loss_spans)
             if special is not None:
                 mask = released_off_by_one(ids, mask, special)
+            full_length, full_trained = len(ids), sum(mask)
             ids, mask = self._truncate(ids, mask, row)
             mask[0] = 0
+            longest = max(longest, full_length)
+            if len(ids) < full_length:
+                cuts.append(full_length - len(ids))
+                trained_cut += full_trained - sum(mask)
             samples.append(SftSample(torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long)))
-        return samples
+        report = TruncationReport(len(samples), longest, self.max_length, self.truncation.value, tuple(cuts),
+                                  trained_cut)
+        return samples, report
 
     def _truncate(self, ids: list[int], mask: list[int], row: int) -> tuple[list[int], list[int]]:
         """Cut ids and mask with the same slice, so the mask stays aligned (spec §12.15)."""

@@ -76,6 +76,12 @@ def check_attention(cfg: DictConfig, use_cuda: bool) -> None:
                          "(pip install flash-attn --no-build-isolation); the default `auto` needs none")
     if not use_cuda:
         raise ValueError("model.attn_implementation=flash_attention_2 runs on CUDA GPUs only; use sdpa on CPU")
+from SPA_agent import atomic_io
+from SPA_agent.tiny import resolve_model_path
+
+FLEX_PAD_MULTIPLE = 512
+# Per split: rows, longest row, rows truncated and tokens cut (SpaSftDataset.truncation_report).
+TRUNCATION_FILE = "truncation.json"
 
 
 def resolve_kernel_choices(cfg: DictConfig, use_cuda: bool) -> None:
@@ -136,8 +142,10 @@ class SftTrainer:
         if self.rank == 0:
             ckpt.clean_staging(self.out_dir)
             OmegaConf.save(self.cfg, self.out_dir / "sft_config.yaml")
+            truncation = self.report_truncation()
             self.metrics = MetricsLogger(self.out_dir, list(self.cfg.trainer.logger), self.cfg.trainer.project_name,
-                                         self.cfg.trainer.experiment_name, OmegaConf.to_container(self.cfg),
+                                         self.cfg.trainer.experiment_name,
+                                         OmegaConf.to_container(self.cfg) | {"truncation": truncation},
                                          self.cfg.trainer.get("wandb_mode", "offline"), resumed)
 
     def _check_output_dir(self) -> bool:
@@ -160,6 +168,15 @@ class SftTrainer:
                 check_dataset_complete(file)
         return run_identity.check_run_dir(self.out_dir, self.identity, self.cfg.trainer.resume == "auto",
                                           OWNED_OUTPUTS, FRESH_HINT)
+    def report_truncation(self) -> dict[str, dict]:
+        """Print one line per split on what data.truncation cut, and write it to truncation.json."""
+        splits = {"train": self.train_data, "val": self.val_data}
+        reports = {name: data.truncation_report for name, data in splits.items() if data is not None}
+        for name, report in reports.items():
+            print(f"sft data {name}: {report.describe()}", flush=True)
+        summary = {name: report.as_dict() for name, report in reports.items()}
+        atomic_io.write_json(self.out_dir / TRUNCATION_FILE, summary)
+        return summary
 
     def _check_batch_sizes(self) -> None:
         data = self.cfg.data

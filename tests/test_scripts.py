@@ -17,52 +17,81 @@ def _run(script: str, *args: str, env: dict | None = None, timeout: int = 600) -
                           env={**os.environ, "MODEL": "tiny", **(env or {})}, timeout=timeout)
 
 
+# CI-sized runs of the same code path: the full-length self-play data of the default run (2 batches, 5 turns:
+# Sudoku's long rows), one SFT step, one PPO step without validation rollouts, 48 new tokens per turn, 2 puzzles
+# per evaluation, one thread (OpenMP threads spinning on a loaded 2-core machine make tiny runs much slower).
+FAST_ENV = {"BT_NUM": "2", "TOTAL_STEPS": "1", "OMP_NUM_THREADS": "1",
+            "SFT_OVERRIDES": "optim.lr=1e-3 trainer.total_training_steps=1 data.max_tokens_per_micro_batch=4096"}
+FAST_PPO = ("trainer.test_freq=0", "actor_rollout_ref.rollout.response_length=48", "evaluation.num_puzzles=2")
+
+
+def _assert_summary_printed(result: subprocess.CompletedProcess, eval_dir: Path) -> None:
+    summary = (eval_dir / "summary.md").read_text()
+    assert "before_ppo" in summary and "after_ppo" in summary and "reported, not measured here" in summary
+    assert "## Our results (measured)" in result.stdout and "Vanilla RL" in result.stdout
+    assert "== done. Outputs:" in result.stdout and f"{eval_dir}/summary.md" in result.stdout
+
+
 @pytest.mark.slow
-def test_run_spa_chains_data_sft_ppo_and_evaluation(tmp_path):
+@pytest.mark.parametrize("config, tag, experiment", [
+    ("_2_sokoban", "SimpleSokoban", "spa"),
+    # a named evaluation variant: SPA on FrozenLake 4x4, evaluated on 6x6
+    ("_3_frozen_lake", "FrozenLake6x6", "easy_to_hard"),
+    ("_10_sudoku", "Sudoku", "spa"),
+])
+def test_run_spa_chains_data_sft_ppo_and_evaluation(tmp_path, config, tag, experiment):
     dirs = {"OUTPUT_DIR": tmp_path / "data", "CHECKPOINT_DIR": tmp_path / "sft", "BASE_DIR": tmp_path / "ppo",
             "EVAL_DIR": tmp_path / "evals"}
-    env = {**{k: str(v) for k, v in dirs.items()}, "BT_NUM": "2", "TOTAL_STEPS": "1",
-           "SFT_OVERRIDES": "optim.lr=1e-3 trainer.total_epochs=1 data.max_tokens_per_micro_batch=2048"}
-    # A named evaluation variant: SPA on FrozenLake 4x4, evaluated on 6x6 (the default experiment is `spa`).
-    result = _run("run_spa.sh", "_3_frozen_lake", "last", "True", "trainer.test_freq=0", "experiment=easy_to_hard",
-                  env=env)
+    env = {**{k: str(v) for k, v in dirs.items()}, **FAST_ENV}
+    named = (f"experiment={experiment}",) if experiment != "spa" else ()  # spa is the default
+    result = _run("run_spa.sh", config, "last", "True", *FAST_PPO, *named, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     assert (dirs["OUTPUT_DIR"] / "wm_train.parquet").is_file() and (dirs["OUTPUT_DIR"] / "data_card.json").is_file()
+    # the tiny preset's SFT length fits every row its own tokenizer produces (5-turn Sudoku rows are the longest)
+    truncation = json.loads((dirs["CHECKPOINT_DIR"] / "truncation.json").read_text())
+    assert truncation["train"]["rows_truncated"] == 0 and truncation["val"]["rows_truncated"] == 0
+    assert truncation["train"]["longest_row_tokens"] <= truncation["train"]["max_length"] == 4096
+    assert "sft data train: " in result.stdout
     sft_steps = sorted(dirs["CHECKPOINT_DIR"].glob("global_step_*"))
     assert sft_steps and (sft_steps[-1] / "config.json").is_file()
-    runs = list((dirs["BASE_DIR"] / "_3_frozen_lake").iterdir())
-    assert len(runs) == 1 and runs[0].name.endswith(f"easy_to_hard-{sft_steps[-1].name}")
-    card = json.loads((dirs["OUTPUT_DIR"] / "data_card.json").read_text())
-    assert card["format_filter"] is True and card["env_tags"] == ["FrozenLake"]
+    runs = list((dirs["BASE_DIR"] / config).iterdir())
+    assert len(runs) == 1 and runs[0].name.endswith(f"{experiment}-{sft_steps[-1].name}")
     assert (runs[0] / "global_step_1" / "actor" / "config.json").is_file()
+    card = json.loads((dirs["OUTPUT_DIR"] / "data_card.json").read_text())
+    assert card["format_filter"] is (config != "_2_sokoban")  # as the released data: FrozenLake, Sudoku filtered
     for which in ("before_ppo", "after_ppo"):
         report = json.loads((dirs["EVAL_DIR"] / which / "eval.json").read_text())
-        assert list(report["metrics"]) == ["FrozenLake6x6"] and report["complete"] is True
-    summary = (dirs["EVAL_DIR"] / "summary.md").read_text()
-    assert "before_ppo" in summary and "after_ppo" in summary and "reported, not measured here" in summary
-    assert "easy_to_hard" in summary and "Fig. 9: Easy2Hard SPA" in summary
-    assert "== done. Outputs:" in result.stdout
+        assert list(report["metrics"]) == [tag] and report["complete"] is True
+    _assert_summary_printed(result, dirs["EVAL_DIR"])
+    if experiment != "easy_to_hard":
+        return
+    assert "Fig. 9: Easy2Hard SPA" in (dirs["EVAL_DIR"] / "summary.md").read_text()
     # Issue 14, case 1: rerun with another SFT learning rate, asking to resume (generate_data in lower case).
     # The data is kept (same settings), then SFT refuses in one line naming the key; nothing is mixed.
     weights = next(dirs["CHECKPOINT_DIR"].glob("global_step_*/model.safetensors")).read_bytes()
     env |= {"RESUME": "1", "SFT_OVERRIDES": env["SFT_OVERRIDES"].replace("optim.lr=1e-3", "optim.lr=1e-5")}
-    result = _run("run_spa.sh", "_3_frozen_lake", "last", "true", "trainer.test_freq=0", env=env)
+    result = _run("run_spa.sh", config, "last", "true", *FAST_PPO, *named, env=env)
     assert result.returncode == 2 and "already holds this dataset" in result.stdout
     assert "optim.lr (0.001 -> 1e-05)" in result.stderr and "Traceback" not in result.stderr
     assert next(dirs["CHECKPOINT_DIR"].glob("global_step_*/model.safetensors")).read_bytes() == weights
 
 
 @pytest.mark.slow
-def test_run_baseline_trains_from_the_base_model(tmp_path):
+def test_run_baseline_trains_from_the_base_model_and_prints_the_summary(tmp_path):
     """The default baseline is the paper's Vanilla RL: the plain symbol grid, no coordinates."""
-    result = _run("run_baseline.sh", "_10_sudoku", "trainer.test_freq=0",
-                  env={"BASE_DIR": str(tmp_path), "TOTAL_STEPS": "1"})
+    eval_dir = tmp_path / "evals"
+    result = _run("run_baseline.sh", "_10_sudoku", *FAST_PPO,
+                  env={**FAST_ENV, "BASE_DIR": str(tmp_path), "EVAL_DIR": str(eval_dir)})
     assert result.returncode == 0, result.stderr[-2000:]
     run_dir = tmp_path / "_10_sudoku" / "_10_sudoku-tiny-text-vanilla_rl"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["step"] == 1 and "train/Sudoku/success" in records[-1]
     config = (run_dir / "config.yaml").read_text()
     assert "render_mode: text\n" in config and "name: vanilla_rl" in config
+    before = json.loads((eval_dir / "before_ppo" / "eval.json").read_text())
+    after = json.loads((eval_dir / "after_ppo" / "eval.json").read_text())
+    assert before["model_name"] == "tiny" and "global_step_1" in after["model_name"]
+    _assert_summary_printed(result, eval_dir)
 
 
 @pytest.mark.parametrize("script, args, env, message", [
@@ -76,6 +105,9 @@ def test_run_baseline_trains_from_the_base_model(tmp_path):
     ("run_spa.sh", ("_2_sokoban", "last", "False", "experiment=easy_to_hard"), {}, "applies to _3_frozen_lake"),
     ("run_spa.sh", ("_2_sokoban", "last", "maybe"), {}, "generate_data must be True or False, got 'maybe'"),
     ("train_ppo_sfted.sh", ("_2_sokoban", "tiny", "x"), {"RESUME": "yes"}, "RESUME must be 0"),
+    # llama1B is a model preset of the main job: stage 2 accepts it (and then checks the data)
+    ("sft/finetune_ft.sh", ("_2_sokoban", "1", "/nonexistent/sft", "/nonexistent/data", "llama1B"), {},
+     "wm_train.parquet not found"),
 ])
 def test_scripts_report_user_errors_in_one_line(script, args, env, message):
     result = _run(script, *args, env=env, timeout=120)

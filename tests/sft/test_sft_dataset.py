@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -105,6 +106,39 @@ def test_truncation_keeps_mask_aligned_with_ids(tiny_tokenizer, row_file, side):
     expected = full.loss_mask[window].clone()
     expected[0] = 0
     assert cut.loss_mask.tolist() == expected.tolist()
+
+
+def test_default_truncation_is_left_as_in_the_original(tiny_tokenizer, row_file):
+    from omegaconf import OmegaConf
+
+    full = SpaSftDataset(str(row_file), tiny_tokenizer)[0]
+    cut = SpaSftDataset(str(row_file), tiny_tokenizer, max_length=30)[0]
+    assert cut.input_ids.tolist() == full.input_ids[-30:].tolist()
+    config = OmegaConf.load(Path(__file__).resolve().parents[2] / "sft" / "config" / "sft_trainer.yaml")
+    assert config.data.truncation == "left"  # spec §4.6
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_truncation_report_counts_rows_and_tokens_cut(tiny_tokenizer, tmp_path, side):
+    prompts, responses = [PROMPT, PROMPT[:2], PROMPT], [RESPONSE, RESPONSE, "<answer>Up</answer>"]
+    path = write_rows(tmp_path / "rows.parquet", prompts, responses)
+    full = SpaSftDataset(str(path), tiny_tokenizer, max_length=10_000)
+    assert full.truncation_report.as_dict()["rows_truncated"] == 0
+    lengths = full.lengths
+    max_length = sorted(lengths)[1]  # the longest row is cut, the other two fit
+    data = SpaSftDataset(str(path), tiny_tokenizer, max_length=max_length, truncation=side)
+    longest = max(range(3), key=lengths.__getitem__)
+    dropped = slice(0, lengths[longest] - max_length) if side == "left" else slice(max_length, None)
+    report = data.truncation_report.as_dict()
+    assert report == {
+        "rows": 3, "longest_row_tokens": lengths[longest], "max_length": max_length, "truncation": side,
+        "rows_truncated": 1, "tokens_cut_max": lengths[longest] - max_length,
+        "tokens_cut_mean": float(lengths[longest] - max_length),
+        "trained_tokens_cut": int(full[longest].loss_mask[dropped].sum()),
+    }
+    # left keeps the whole response of a row whose response fits; right drops the response's end
+    assert (report["trained_tokens_cut"] == 0) == (side == "left")
+    assert f"1 truncated ({side}), tokens cut max {lengths[longest] - max_length}" in data.truncation_report.describe()
 
 
 def test_truncation_error_names_the_row_and_the_fix(tiny_tokenizer, row_file):

@@ -97,6 +97,21 @@ def test_checkpoints_load_with_from_pretrained_and_retention_prunes(full_run, da
         assert token_loss_sum(tuned, batch) < token_loss_sum(base, batch)
 
 
+def test_truncation_is_logged_and_written_next_to_the_metrics(data_dir, tmp_path, capsys):
+    # every synthetic row is 82 tiny-tokenizer tokens: max_length 80 cuts 2 prompt tokens from each
+    trainer = SftTrainer(compose(overrides(data_dir, tmp_path, "data.max_length=80")))
+    trainer.preflight()
+    trainer.report_truncation()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"sft data {split}: {rows} rows, longest 82 tokens (data.max_length=80): {rows} truncated "
+                     "(left), tokens cut max 2, mean 2.0, trained tokens cut 0" for split, rows in (("train", 16),
+                                                                                                   ("val", 4))]
+    written = json.loads((tmp_path / "truncation.json").read_text())
+    assert written["train"] == {"rows": 16, "longest_row_tokens": 82, "max_length": 80, "truncation": "left",
+                                "rows_truncated": 16, "tokens_cut_max": 2, "tokens_cut_mean": 2.0,
+                                "trained_tokens_cut": 0}
+
+
 @pytest.mark.slow
 def test_resume_after_interruption_equals_uninterrupted_run(full_run, data_dir, tmp_path):
     run(compose(overrides(data_dir, tmp_path)), stop_at_step=3)  # killed after step 3: step 3 is lost

@@ -50,7 +50,8 @@ def test_typed_critic_and_rollout_configs_read_our_values(configs):
     assert critic.ppo_micro_batch_size_per_gpu == cfg.critic.ppo_micro_batch_size_per_gpu
     rollout = omega_conf_to_dataclass(verl_cfg.actor_rollout_ref.rollout)
     assert rollout.name == "sglang" and rollout.tensor_model_parallel_size == 2
-    assert rollout.gpu_memory_utilization == 0.35 and rollout.response_length == 48
+    assert rollout.gpu_memory_utilization == 0.35
+    assert rollout.response_length == cfg.actor_rollout_ref.rollout.response_length == 256
     assert rollout.max_model_len == rollout.prompt_length == cfg.actor_rollout_ref.rollout.max_model_len
     assert not rollout.calculate_log_probs and rollout.n == 1
 
