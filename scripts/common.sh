@@ -78,6 +78,8 @@ load_experiment() {
     settings="$(python -m SPA_agent.experiments settings --render-mode "${RENDER_MODE:-}" "$pipeline" "$config" -- "$@")" \
         || exit 2
     eval "$settings"
+}
+
 # evaluate_before_after CONFIG BEFORE_MODEL RUN_DIR EVAL_DIR [overrides...]: evaluate BEFORE_MODEL and the final
 # actor of the PPO run RUN_DIR into EVAL_DIR/{before_ppo,after_ppo}, then write EVAL_DIR/summary.md (our rows
 # beside the paper's). Reads MODEL and RENDER_MODE.

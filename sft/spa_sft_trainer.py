@@ -47,13 +47,15 @@ from sft.packing import (
 )
 from sft.spa_sft_dataset import SpaSftDataset
 from sft.tracking import MetricsLogger
-from SPA_agent import run_identity
+from SPA_agent import atomic_io, run_identity
 from SPA_agent.datagen_card import check_dataset_complete
 from SPA_agent.dir_lock import DirLock, check_unlocked, check_writable
 from SPA_agent.progress import progress_bar
 from SPA_agent.tiny import resolve_model_path
 
 FLEX_PAD_MULTIPLE = 512
+# Per split: rows, longest row, rows truncated and tokens cut (SpaSftDataset.truncation_report).
+TRUNCATION_FILE = "truncation.json"
 #: config keys that do not change the trained weights (data and model enter the run identity by checksum)
 IDENTITY_IGNORED = ("data.train_files", "data.val_files", "data.require_data_card", "model.partial_pretrain",
                     "trainer.default_local_dir", "trainer.project_name", "trainer.experiment_name", "trainer.logger",
@@ -61,7 +63,7 @@ IDENTITY_IGNORED = ("data.train_files", "data.val_files", "data.require_data_car
                     "trainer.wandb_mode")
 #: what a run writes into trainer.default_local_dir (a fresh run removes these; train.log is the launcher's)
 OWNED_OUTPUTS = ("global_step_*", ".global_step_*.tmp", "metrics.jsonl", "sft_config.yaml", "wandb",
-                 run_identity.IDENTITY_FILE)
+                 TRUNCATION_FILE, run_identity.IDENTITY_FILE)
 FRESH_HINT = "pass trainer.resume=disable"
 
 
@@ -76,12 +78,6 @@ def check_attention(cfg: DictConfig, use_cuda: bool) -> None:
                          "(pip install flash-attn --no-build-isolation); the default `auto` needs none")
     if not use_cuda:
         raise ValueError("model.attn_implementation=flash_attention_2 runs on CUDA GPUs only; use sdpa on CPU")
-from SPA_agent import atomic_io
-from SPA_agent.tiny import resolve_model_path
-
-FLEX_PAD_MULTIPLE = 512
-# Per split: rows, longest row, rows truncated and tokens cut (SpaSftDataset.truncation_report).
-TRUNCATION_FILE = "truncation.json"
 
 
 def resolve_kernel_choices(cfg: DictConfig, use_cuda: bool) -> None:
@@ -168,6 +164,7 @@ class SftTrainer:
                 check_dataset_complete(file)
         return run_identity.check_run_dir(self.out_dir, self.identity, self.cfg.trainer.resume == "auto",
                                           OWNED_OUTPUTS, FRESH_HINT)
+
     def report_truncation(self) -> dict[str, dict]:
         """Print one line per split on what data.truncation cut, and write it to truncation.json."""
         splits = {"train": self.train_data, "val": self.val_data}
