@@ -1,16 +1,21 @@
 """Critic-free estimators (verl's Dr. GRPO, RLOO, REINFORCE++, REINFORCE++-baseline) through
-algos.compute_advantages on hand-computed vectors; DAPO's zero-variance group drop; the loss pieces they use."""
+algos.compute_advantages on hand-computed vectors; DAPO's zero-variance group drop (alone and in a trainer step);
+the loss pieces and presets they use."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
+from verl import DataProto
 from verl.trainer.ppo import core_algos
 
 from SPA_agent.trainer import algos
 from SPA_agent.trainer.config_checks import check_config
 from SPA_agent.trainer.local_backend import _loss_normalisers
+from SPA_agent.trainer.metrics import PhaseTimer
+from SPA_agent.trainer.ppo_trainer import PPOTrainer
 
 # Two groups of two trajectories, each trained on two tokens; the score sits on a different trained token per row.
 MASK = torch.tensor([[0, 1, 1, 0], [1, 1, 0, 0], [0, 0, 1, 1], [1, 0, 0, 1]], dtype=torch.float32)
@@ -137,8 +142,61 @@ def test_critic_free_estimators_and_the_group_drop_are_local_backend_only(ppo_co
               "actor_rollout_ref.actor.loss_agg_mode": "token-mean", "actor_rollout_ref.actor.clip_ratio_high": 0.28}),
 ])
 def test_algorithm_presets_compose_and_pass_the_checks(ppo_config, preset, expected):
-    from omegaconf import OmegaConf
-
     cfg = ppo_config("_2_sokoban", f"+algo={preset}")
     check_config(cfg)
     assert {key: OmegaConf.select(cfg, key) for key in expected} == expected
+
+
+class _Rollout:
+    """What LLMAgentProxy.rollout returns, for a hand-made batch."""
+
+    def __init__(self, batch):
+        self.batch, self.metrics = batch, {}
+
+
+class _RecordingBackend:
+    """A worker group that records the batch it is asked to score, then stops the step."""
+
+    has_ref = False
+
+    def __init__(self):
+        self.rows = None
+
+    def compute_log_prob(self, batch):
+        self.rows = batch.batch["rm_scores"][:, -1].tolist()
+        raise StopIteration
+
+
+def _trainer_step(ppo_config, scores: list[float]):
+    cfg = ppo_config("_2_sokoban", "+algo=dapo", "actor_rollout_ref.rollout.rollout_filter_ratio=1",
+                     "es_manager.train.group_size=2")
+    rm_scores = torch.zeros(len(scores), 3)
+    rm_scores[:, -1] = torch.tensor(scores)
+    groups = np.arange(len(scores)) // 2
+    batch = DataProto.from_dict(tensors={"rm_scores": rm_scores, "loss_mask": torch.ones(len(scores), 3),
+                                         "response_mask": torch.ones(len(scores), 3)},
+                                non_tensors={"group_ids": groups, "seeds": groups})
+
+    class Proxy:
+        def rollout(self, val):
+            return _Rollout(batch)
+
+    backend = _RecordingBackend()
+    trainer = PPOTrainer(cfg, backend, Proxy(), logger=None)
+    try:
+        metrics = trainer.train_step(1, PhaseTimer())
+    except StopIteration:
+        metrics = None
+    return backend.rows, metrics
+
+
+def test_dapo_step_trains_only_on_groups_with_varied_scores(ppo_config):
+    rows, _ = _trainer_step(ppo_config, [1.0, 1.0, 0.0, 1.0])
+    assert rows == [0.0, 1.0]
+
+
+def test_dapo_step_without_varied_groups_skips_the_update(ppo_config):
+    rows, metrics = _trainer_step(ppo_config, [1.0, 1.0, 0.0, 0.0])
+    assert rows is None  # the backend was never asked to score anything
+    assert metrics["rollout/zero_variance_groups_dropped"] == 2.0
+    assert not any(key.startswith(("actor/", "critic/")) for key in metrics)
