@@ -82,6 +82,9 @@ def _check_algorithm(cfg: DictConfig) -> None:
     for name, mode in (("actor_rollout_ref.actor", actor.loss_agg_mode), ("critic", cfg.critic.loss_agg_mode)):
         if mode not in LOSS_AGG_MODES:
             raise ValueError(f"unknown {name}.loss_agg_mode {mode!r}; choose one of {list(LOSS_AGG_MODES)}")
+    scale = actor.get("loss_scale_factor")
+    if scale is not None and not (isinstance(scale, int) and scale > 0):
+        raise ValueError(f"actor_rollout_ref.actor.loss_scale_factor must be a positive integer or null, got {scale}")
     loss_mode = actor.policy_loss.loss_mode
     if loss_mode not in core_algos.POLICY_LOSS_REGISTRY:
         raise ValueError(f"unknown actor_rollout_ref.actor.policy_loss.loss_mode {loss_mode!r}; choose one of "

@@ -47,7 +47,7 @@ def test_rloo_baseline_is_the_mean_of_the_other_group_members():
     rewards = torch.zeros(6, 2)
     rewards[:, 1] = torch.tensor([1.0, 0.0, 0.0, 2.0, 2.0, 5.0])  # groups of three
     advantages, _ = _advantages("rloo", rewards, mask=mask, groups=np.array([0, 0, 0, 1, 1, 1]))
-    # row 0: 1 − mean(0, 0) = 1; row 1: 0 − mean(1, 0) = −0.5; row 5: 5 − mean(2, 2) = 3; row 3: 2 − 3.5 = −1.5
+    # row 0: 1 − mean(0, 0) = 1; row 1: 0 − mean(1, 0) = −0.5; row 3: 2 − mean(2, 5) = −1.5; row 5: 5 − 2 = 3
     per_row = torch.tensor([1.0, -0.5, -0.5, -1.5, -1.5, 3.0])
     torch.testing.assert_close(advantages, per_row[:, None] * mask)
 
@@ -132,6 +132,12 @@ def test_critic_free_estimators_and_the_group_drop_are_local_backend_only(ppo_co
         with pytest.raises(ValueError, match=message):
             check_config(cfg)
         check_config(ppo_config("_2_sokoban", override))
+
+
+def test_loss_scale_factor_must_be_a_positive_integer(ppo_config):
+    with pytest.raises(ValueError, match="loss_scale_factor must be a positive integer"):
+        check_config(ppo_config("_2_sokoban", "actor_rollout_ref.actor.loss_scale_factor=0"))
+    check_config(ppo_config("_2_sokoban", "actor_rollout_ref.actor.loss_scale_factor=400"))
 
 
 @pytest.mark.parametrize("preset, expected", [
