@@ -52,6 +52,49 @@ def llama_tokenizer(tiny_tokenizer):
     return tok
 
 
+#: A Qwen3-style template written for the tests (not Qwen's text): ChatML turns; an assistant message's
+#: `<think>…</think>` reasoning is dropped unless the message comes after the last user message, where it is
+#: rendered as a `<think>\n…\n</think>\n\n` block (an empty one when it has none, if it is the final message);
+#: `enable_thinking=False` opens the generation prompt with an empty think block.
+QWEN3_TEMPLATE = (
+    "{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for message in messages %}{%- if message.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{%- set content = message.content %}{%- set reasoning = '' %}"
+    "{%- if '</think>' in content %}"
+    "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\n') %}"
+    "{%- endif %}"
+    "{%- if loop.index0 > ns.last_user and (loop.last or reasoning) %}"
+    "{{- '<|im_start|>assistant\n<think>\n' + reasoning + '\n</think>\n\n' + content }}"
+    "{%- else %}{{- '<|im_start|>assistant\n' + content }}{%- endif %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer(tiny_tokenizer):
+    """The tiny tokenizer with `<think>`/`</think>` as single added tokens (reserved, as in Qwen3's vocabulary)
+    and the Qwen3-style chat template above."""
+    import copy
+
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.add_tokens(["<think>", "</think>"])
+    tok.chat_template = QWEN3_TEMPLATE
+    return tok
+
+
 @pytest.fixture
 def tiny_config():
     """Factory: compose an entry config on the tiny model, e.g. tiny_config("_2_sokoban", "generator=random")."""

@@ -25,7 +25,7 @@ DOCUMENTED_FILES = sorted(
 
 
 def test_the_documented_presets_and_generators_exist():
-    assert {"tiny", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "llama3.2-1b"} <= set(MODEL_PRESETS)
+    assert {"tiny", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "llama3.2-1b", "qwen3-1.7b"} <= set(MODEL_PRESETS)
     assert {"hf", "vllm", "api", "random"} <= set(GENERATORS)
 
 

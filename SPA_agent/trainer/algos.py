@@ -6,14 +6,16 @@ Notation (spec §10.3, docs/interfaces.md "One rollout"):
     T  sequence length of `input_ids`; every (B, T-1) tensor is aligned with `responses = input_ids[:, 1:]`
     mask  `loss_mask` (B, T-1): the positions that train (the driver sets `response_mask := loss_mask`)
 
-GAE, GRPO and the losses come from `verl.trainer.ppo.core_algos`; this module only adds the rollout filter and
-the bi-level GAE glue (turn-level GAE, then token-level GAE inside each turn). No models, no processes.
+GAE, GRPO, RLOO, REINFORCE++ and the losses come from `verl.trainer.ppo.core_algos`; this module only adds the
+rollout filters (StarPO-S, zero-variance groups) and the bi-level GAE glue (turn-level GAE, then token-level
+GAE inside each turn). No models, no processes.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+from verl.trainer.config import AlgoConfig
 from verl.trainer.ppo import core_algos
 from verl.utils import torch_functional as verl_F
 
@@ -79,6 +81,26 @@ def rollout_filter(
         metrics[f"rollout/in_group_{name}"] = values.mean().item()
         metrics[f"rollout/chosen_in_group_{name}"] = values[groups].mean().item()
     return rows, metrics
+
+
+def drop_zero_variance_groups(
+    rm_scores: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """DAPO's dynamic sampling without the resampling: drop the groups whose trajectories all scored the same.
+
+    Such a group gives every trajectory a zero advantage under GRPO-style estimators, so it only dilutes the
+    loss. Unlike DAPO, no new rollouts refill the batch: the batch shrinks (possibly to nothing).
+
+    Args:
+        rm_scores: (B, T-1) token-level scores of the batch (after the StarPO-S filter); score = row sum.
+    Returns:
+        row indices (ascending) of the kept trajectories, and `rollout/zero_variance_groups_dropped`.
+    """
+    grouped = rm_scores.sum(dim=-1).float().view(-1, group_size)
+    varied = (grouped != grouped[:, :1]).any(dim=1)
+    groups = varied.nonzero()[:, 0]
+    rows = (groups[:, None] * group_size + torch.arange(group_size)[None, :]).flatten()
+    return rows, {"rollout/zero_variance_groups_dropped": float((~varied).sum())}
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -202,12 +224,19 @@ def bi_level_gae(
     return advantages, returns
 
 
+#: critic-free outcome estimators of core_algos (`algorithm.adv_estimator`) -> whether they read the group ids
+OUTCOME_ESTIMATORS: dict[str, bool] = {
+    "grpo": True,  # (score − group mean) / group std; Dr. GRPO without the division
+    "rloo": True,  # score − mean score of the other trajectories of its group
+    "reinforce_plus_plus": False,  # discounted return-to-go, whitened over the batch (no groups)
+    "reinforce_plus_plus_baseline": True,  # score − group mean, whitened over the batch
+}
 #: advantage estimators (`algorithm.adv_estimator`) -> whether they need a critic (values)
-ADV_ESTIMATORS: dict[str, bool] = {"gae": True, "grpo": False}
+ADV_ESTIMATORS: dict[str, bool] = {"gae": True, **{name: False for name in OUTCOME_ESTIMATORS}}
 
 
 def needs_critic(adv_estimator: str) -> bool:
-    """Whether `adv_estimator` reads critic values (GRPO does not: no value model is built or trained)."""
+    """Whether `adv_estimator` reads critic values (only GAE: for the others no value model is built or trained)."""
     if adv_estimator not in ADV_ESTIMATORS:
         raise ValueError(f"algorithm.adv_estimator={adv_estimator!r} is not supported; choose one of "
                          f"{list(ADV_ESTIMATORS)}")
@@ -229,6 +258,29 @@ def grpo(
     )
 
 
+def outcome_advantages(
+    estimator: str,
+    token_level_rewards: torch.Tensor,
+    mask: torch.Tensor,
+    group_ids: np.ndarray | None,
+    gamma: float = 1.0,
+    norm_by_std: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A critic-free estimator of `OUTCOME_ESTIMATORS`, verl's function from its registry; (advantages, returns).
+
+    `token_level_rewards`, `mask`: (B, T-1); `group_ids`: (B,) the rollout's groups (same seed), required by the
+    group-baseline estimators; `gamma` discounts REINFORCE++'s return-to-go; `norm_by_std` is GRPO's std division.
+    """
+    if OUTCOME_ESTIMATORS[estimator] and group_ids is None:
+        raise ValueError(f"algorithm.adv_estimator={estimator} needs the rollout's group ids")
+    if estimator == "grpo":
+        return grpo(token_level_rewards, mask, group_ids, norm_by_std)
+    extra = {"index": group_ids} if OUTCOME_ESTIMATORS[estimator] else {}
+    return core_algos.get_adv_estimator_fn(estimator)(
+        token_level_rewards=token_level_rewards, response_mask=mask, config=AlgoConfig(gamma=gamma), **extra
+    )
+
+
 def compute_advantages(
     token_level_rewards: torch.Tensor,
     values: torch.Tensor | None,
@@ -242,12 +294,10 @@ def compute_advantages(
     group_ids: np.ndarray | None = None,
     norm_adv_by_std_in_grpo: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(advantages, returns), both (B, T-1): verl's GAE, bi-level GAE when `bi_level`, or verl's GRPO over
-    `group_ids` when `estimator="grpo"` (no values)."""
-    if estimator == "grpo":
-        if group_ids is None:
-            raise ValueError("GRPO needs the rollout's group ids")
-        return grpo(token_level_rewards, mask, group_ids, norm_adv_by_std_in_grpo)
+    """(advantages, returns), both (B, T-1): verl's GAE, bi-level GAE when `bi_level`, or a critic-free
+    estimator of `OUTCOME_ESTIMATORS` (GRPO, RLOO, REINFORCE++, …; no values) over `group_ids`."""
+    if not needs_critic(estimator):
+        return outcome_advantages(estimator, token_level_rewards, mask, group_ids, gamma, norm_adv_by_std_in_grpo)
     if bi_level:
         return bi_level_gae(token_level_rewards, values, mask, response_mask, gamma, lam, high_level_gamma)
     return gae(token_level_rewards, values, mask, gamma, lam)

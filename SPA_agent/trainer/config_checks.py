@@ -69,9 +69,12 @@ def _check_algorithm(cfg: DictConfig) -> None:
     if algo.bi_level_gae and (algo.adv_estimator != "gae" or cfg.agent_proxy.use_turn_scores):
         raise ValueError("algorithm.bi_level_gae=True needs algorithm.adv_estimator=gae and "
                          "agent_proxy.use_turn_scores=False")
-    if algo.adv_estimator == "grpo" and cfg.trainer.backend != "local":
-        raise ValueError("algorithm.adv_estimator=grpo runs on trainer.backend=local only (the verl backend always "
-                         "builds a critic); use algorithm.adv_estimator=gae with trainer.backend=verl")
+    if not ADV_ESTIMATORS[algo.adv_estimator] and cfg.trainer.backend != "local":
+        raise ValueError(f"algorithm.adv_estimator={algo.adv_estimator} runs on trainer.backend=local only (the verl "
+                         "backend always builds a critic); use algorithm.adv_estimator=gae with trainer.backend=verl")
+    if algo.get("drop_zero_variance_groups") and cfg.trainer.backend != "local":
+        raise ValueError("algorithm.drop_zero_variance_groups=True runs on trainer.backend=local only (the verl "
+                         "workers expect a fixed batch size); set it to False with trainer.backend=verl")
     if (actor.use_kl_loss or algo.use_kl_in_reward) and not actor.use_ref:
         raise ValueError("a KL loss or KL-in-reward needs the reference model: set actor_rollout_ref.actor.use_ref=True")
     if actor.use_kl_loss and algo.use_kl_in_reward:
@@ -79,6 +82,9 @@ def _check_algorithm(cfg: DictConfig) -> None:
     for name, mode in (("actor_rollout_ref.actor", actor.loss_agg_mode), ("critic", cfg.critic.loss_agg_mode)):
         if mode not in LOSS_AGG_MODES:
             raise ValueError(f"unknown {name}.loss_agg_mode {mode!r}; choose one of {list(LOSS_AGG_MODES)}")
+    scale = actor.get("loss_scale_factor")
+    if scale is not None and not (isinstance(scale, int) and scale > 0):
+        raise ValueError(f"actor_rollout_ref.actor.loss_scale_factor must be a positive integer or null, got {scale}")
     loss_mode = actor.policy_loss.loss_mode
     if loss_mode not in core_algos.POLICY_LOSS_REGISTRY:
         raise ValueError(f"unknown actor_rollout_ref.actor.policy_loss.loss_mode {loss_mode!r}; choose one of "

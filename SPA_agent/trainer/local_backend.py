@@ -72,9 +72,11 @@ class Trainable:
         self.scheduler.load_state_dict(state["scheduler"])
 
 
-def _loss_normalisers(mask: torch.Tensor) -> dict:
-    """`agg_loss` arguments that make micro-batch losses add up to the mini-batch's aggregate."""
-    return {"dp_size": 1, "batch_num_tokens": mask.sum().item(), "global_batch_size": (mask.sum(-1) > 0).sum().item()}
+def _loss_normalisers(mask: torch.Tensor, loss_scale_factor: int | None = None) -> dict:
+    """`agg_loss` arguments that make micro-batch losses add up to the mini-batch's aggregate (and the constant
+    divisor of seq-mean-token-sum-norm, None = verl's default: the padded length)."""
+    return {"dp_size": 1, "batch_num_tokens": mask.sum().item(), "global_batch_size": (mask.sum(-1) > 0).sum().item(),
+            "loss_scale_factor": loss_scale_factor}
 
 
 def _mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
@@ -200,7 +202,7 @@ class LocalBackend:
         keys = (*lm.MODEL_INPUT_KEYS, "values", "returns", "response_mask")
         steps, micro_rows = [], []
         for mini in self._mini_batches(batch, cfg):
-            norm = _loss_normalisers(mini.batch["response_mask"])
+            norm = _loss_normalisers(mini.batch["response_mask"], cfg.get("loss_scale_factor"))
             loss_sum = 0.0
             for mb in lm.micro_batches(mini, cfg.ppo_micro_batch_size_per_gpu, keys, self.device):
                 with lm.autocast(self.device):
@@ -247,7 +249,7 @@ class LocalBackend:
         summed = ("actor/pg_loss", "actor/entropy", "actor/kl_loss")
         steps, micro_rows = [], []
         for mini in self._mini_batches(batch, cfg):
-            norm = _loss_normalisers(mini.batch["response_mask"])
+            norm = _loss_normalisers(mini.batch["response_mask"], cfg.get("loss_scale_factor"))
             totals: dict[str, float] = {}
             for mb in lm.micro_batches(mini, cfg.ppo_micro_batch_size_per_gpu, keys, self.device):
                 loss, metrics = self._actor_micro_loss(mb, norm)

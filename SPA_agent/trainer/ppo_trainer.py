@@ -3,12 +3,14 @@
 One step is a list of named, timed phases (`timing_s/<phase>`):
 
     gen            rollout through LLMAgentProxy (env_groups × group_size trajectories, up to max_turn turns)
-    filter         StarPO-S: keep the groups with the most spread-out scores; response_mask := loss_mask
+    filter         StarPO-S: keep the groups with the most spread-out scores (then, with
+                   algorithm.drop_zero_variance_groups, drop those whose scores are all equal; a step left with
+                   none skips the phases below); response_mask := loss_mask
     old_log_prob   actor log-probs of the batch (and entropies)
     ref            reference log-probs (when a reference model exists)
-    values         critic values (not with GRPO, which has no critic)
-    adv            rewards (optionally minus β·KL) and GAE / bi-level GAE / GRPO advantages
-    update_critic  clipped value loss, one pass of mini-batches (not with GRPO)
+    values         critic values (GAE only: the other estimators have no critic)
+    adv            rewards (optionally minus β·KL) and GAE / bi-level GAE / critic-free (GRPO, RLOO, …) advantages
+    update_critic  clipped value loss, one pass of mini-batches (GAE only)
     update_actor   clipped policy loss − entropy bonus (+ KL loss), after critic_warmup steps
     testing        validation rollouts (`val-env/*`) every test_freq steps and at the last step
     save_checkpoint  every save_freq steps and at the last step
@@ -73,6 +75,8 @@ class PPOTrainer:
         with timer("filter"):
             batch, filter_metrics = self.filter_batch(rollout.batch)
         metrics.update(filter_metrics)
+        if len(batch) == 0:  # every group dropped by algorithm.drop_zero_variance_groups: nothing to learn from
+            return metrics
         with timer("old_log_prob"):
             batch = batch.union(self.backend.compute_log_prob(batch))
         if self.backend.has_ref:
@@ -108,6 +112,10 @@ class PPOTrainer:
             batch.batch["rm_scores"], group_size, rollout_cfg.rollout_filter_ratio, rollout_cfg.rollout_filter_type
         )
         kept = batch.select_idxs(rows.numpy())
+        if self.cfg.algorithm.get("drop_zero_variance_groups"):
+            rows, dropped = algos.drop_zero_variance_groups(kept.batch["rm_scores"], group_size)
+            kept = kept.select_idxs(rows.numpy())
+            metrics.update(dropped)
         tensors = kept.batch
         tensors["assistant_mask"] = tensors["response_mask"]
         tensors["response_mask"] = tensors["loss_mask"].float()

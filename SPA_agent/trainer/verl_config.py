@@ -31,8 +31,8 @@ COPIED: tuple[tuple[str, str], ...] = (
     *((f"actor_rollout_ref.model.{k}",) * 2 for k in ("enable_gradient_checkpointing",)),
     *((f"{_ACTOR}.{k}",) * 2 for k in (
         "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "shuffle", "grad_clip", "clip_ratio",
-        "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode", "policy_loss.loss_mode",
-        "entropy_coeff", "use_kl_loss", "kl_loss_coef", "kl_loss_type",
+        "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode", "loss_scale_factor",
+        "policy_loss.loss_mode", "entropy_coeff", "use_kl_loss", "kl_loss_coef", "kl_loss_type",
         "optim.lr", "optim.lr_warmup_steps_ratio", "optim.weight_decay", "optim.betas")),
     (f"{_ACTOR}.grad_clip", f"{_ACTOR}.optim.clip_grad"),
     ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",) * 2,

@@ -1,4 +1,5 @@
-"""Exact token ids and roles of a hand-checked two-turn conversation, for ChatML and Llama-3 templates."""
+"""Exact token ids and roles of a hand-checked two-turn conversation, for ChatML and Llama-3 templates (Qwen3:
+tests/rollout/test_qwen3_template.py)."""
 
 import pytest
 
@@ -56,9 +57,10 @@ def test_llama3_conversation_ids_and_roles_are_exact(llama_tokenizer):
     assert roles.count(SYSTEM) == len(system) and roles.count(SAMPLED) == len(turns[0].ids) + len(turns[1].ids)
 
 
-@pytest.mark.parametrize("which", ["chatml", "llama3"])
-def test_generation_prompt_is_a_prefix_of_the_finished_conversation(which, tiny_tokenizer, llama_tokenizer):
-    tok = tiny_tokenizer if which == "chatml" else llama_tokenizer
+@pytest.mark.parametrize("which", ["chatml", "llama3", "qwen3"])
+def test_generation_prompt_is_a_prefix_of_the_finished_conversation(which, tiny_tokenizer, llama_tokenizer,
+                                                                    qwen3_tokenizer):
+    tok = {"chatml": tiny_tokenizer, "llama3": llama_tokenizer, "qwen3": qwen3_tokenizer}[which]
     chat, turns = ChatTokenizer(tok), _turns(tok)
     full, _ = chat.build(MESSAGES, turns)
     prompt1, _ = chat.build(MESSAGES[:2], [], generation_prefix="<think>")

@@ -1,5 +1,5 @@
-"""Masks and scores of a hand-built two-turn trajectory, for both enable_response_mask settings and both the
-ChatML and a Llama-3-style template: column j of the (B, T-1) tensors scores token j+1."""
+"""Masks and scores of a hand-built two-turn trajectory, for both enable_response_mask settings and the
+ChatML, a Llama-3-style and a Qwen3-style template: column j of the (B, T-1) tensors scores token j+1."""
 
 import pytest
 import torch
@@ -23,11 +23,11 @@ def _trajectory(tok):
     }
 
 
-@pytest.mark.parametrize("template", ["chatml", "llama3"])
+@pytest.mark.parametrize("template", ["chatml", "llama3", "qwen3"])
 @pytest.mark.parametrize("response_only", [True, False])
 def test_masks_and_score_follow_the_token_roles(template, response_only, tiny_config, tiny_tokenizer,
-                                                 llama_tokenizer):
-    tok = tiny_tokenizer if template == "chatml" else llama_tokenizer
+                                                 llama_tokenizer, qwen3_tokenizer):
+    tok = {"chatml": tiny_tokenizer, "llama3": llama_tokenizer, "qwen3": qwen3_tokenizer}[template]
     cfg = tiny_config("_2_sokoban", f"enable_response_mask={response_only}")
     ctx = ContextManager(cfg, tok)
     cache = _trajectory(tok)

@@ -23,7 +23,7 @@ def test_entry_configs_pass_the_checks(config_name):
     (["actor_rollout_ref.rollout.rollout_filter_ratio=0.01"], "keeps no group"),
     (["actor_rollout_ref.rollout.rollout_filter_type=best"], "'max_mean', 'std', 'std_rev'"),
     (["algorithm.bi_level_gae=True", "agent_proxy.use_turn_scores=True"], "use_turn_scores=False"),
-    (["algorithm.adv_estimator=reinforce"], "choose one of ['gae', 'grpo']"),
+    (["algorithm.adv_estimator=reinforce"], "choose one of ['gae', 'grpo', 'rloo', 'reinforce_plus_plus'"),
     (["algorithm.adv_estimator=grpo", "trainer.backend=verl"], "trainer.backend=local only"),
     (["algorithm.adv_estimator=grpo", "algorithm.bi_level_gae=True"], "bi_level_gae=True needs"),
     (["actor_rollout_ref.actor.use_ref=False", "actor_rollout_ref.actor.use_kl_loss=True"], "use_ref=True"),
