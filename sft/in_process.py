@@ -27,13 +27,18 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
         return hydra_compose(config_name="sft_trainer", overrides=list(overrides))
 
 
-def train(overrides: Sequence[str] = ()) -> Path:
-    """setup / train / cleanup of one rank; returns the last `global_step_N` checkpoint directory."""
-    cfg = compose(overrides)
+def run(cfg: DictConfig, stop_at_step: int | None = None) -> None:
+    """setup / train (up to `stop_at_step`, None: to the end) / cleanup of one rank."""
     trainer = SftTrainer(cfg)
     try:
         trainer.setup()
-        trainer.train()
+        trainer.train(stop_at_step)
     finally:
         trainer.cleanup()
+
+
+def train(overrides: Sequence[str] = ()) -> Path:
+    """One rank trained to the end; returns the last `global_step_N` checkpoint directory."""
+    cfg = compose(overrides)
+    run(cfg)
     return checkpoints(cfg.trainer.default_local_dir)[-1][1]

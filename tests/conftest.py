@@ -11,6 +11,16 @@ from SPA_agent.tiny import tiny_model_dir
 torch.set_num_threads(2)
 
 
+@pytest.fixture
+def one_torch_thread():
+    """One intra-op thread: on a shared 2-core machine, spinning OpenMP threads made tiny runs 10–20× slower
+    (autouse in tests/trainer and tests/runs)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_dir():
     """Directory of the embedded tiny model (built once per machine, then cached)."""

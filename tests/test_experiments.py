@@ -113,28 +113,18 @@ def test_self_belief_experiment_keeps_the_models_states(tmp_path):
 @pytest.mark.slow
 def test_sft_variant_trains_with_the_experiments_overrides(tmp_path):
     """SFT variant: random-action data and the experiment's single SFT epoch."""
-    from sft.spa_sft_trainer import SftTrainer
+    from sft import in_process
 
     exp = experiments.load("random_action_data_sft_1epoch")
     cfg = compose("_2_sokoban", ["model=tiny", f"experiment={exp.name}", f"generator={exp.data_generator}",
                                  "data_gen.num_batches=1", f"data_gen.output_dir={tmp_path / 'data'}",
                                  "agent_proxy.max_turn=1", "data_gen.val_fraction=0"])
     generate(prepare_data_gen_config(cfg, "_2_sokoban"))
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(experiments.CONFIG_DIR.parent / "sft" / "config"), version_base="1.3"):
-        sft_cfg = hydra_compose(config_name="sft_trainer", overrides=[
-            f"data.train_files={tmp_path / 'data' / 'wm_train.parquet'}", "model.partial_pretrain=tiny",
-            f"trainer.default_local_dir={tmp_path / 'sft'}", "data.train_batch_size=8", "trainer.device=cpu",
-            "data.max_tokens_per_micro_batch=4096", "data.max_length=4096", "trainer.total_epochs=5",
-            *exp.sft_overrides])
-    trainer = SftTrainer(sft_cfg)
-    try:
-        trainer.setup()
-        trainer.train()
-    finally:
-        trainer.cleanup()
+    in_process.train([
+        f"data.train_files={tmp_path / 'data' / 'wm_train.parquet'}", "model.partial_pretrain=tiny",
+        f"trainer.default_local_dir={tmp_path / 'sft'}", "data.train_batch_size=8", "trainer.device=cpu",
+        "data.max_tokens_per_micro_batch=4096", "data.max_length=4096", "trainer.total_epochs=5",
+        *exp.sft_overrides])
     records = [OmegaConf.create(line) for line in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1]  # 8 rows, batch 8: one step per epoch, one epoch
     assert all(math.isfinite(r["train/loss"]) for r in records if "train/loss" in r)

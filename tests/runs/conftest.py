@@ -1,13 +1,8 @@
-"""Run-directory tests: one torch thread, as in tests/trainer (spinning OpenMP threads slow tiny runs on a
-shared machine)."""
+"""Run-directory tests: one torch thread, as in tests/trainer."""
 
 import pytest
-import torch
 
 
 @pytest.fixture(autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_torch_thread):
+    """Every run-directory test on one torch thread (tests/conftest.py)."""

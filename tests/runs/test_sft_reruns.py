@@ -16,33 +16,20 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sft"))
 from sft_fixtures import synthetic_rows, write_rows  # noqa: E402
 
+from sft import in_process  # noqa: E402
+from sft.in_process import run  # noqa: E402
 from sft.spa_sft_dataset import read_rows  # noqa: E402
 from sft.spa_sft_trainer import SftTrainer  # noqa: E402
 from SPA_agent.dir_lock import LOCK_FILE, DirectoryLockedError  # noqa: E402
 from SPA_agent.run_identity import IDENTITY_FILE, RunMismatchError  # noqa: E402
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "sft" / "config"
-
 
 def compose(data_dir: Path, out_dir: Path, *extra: str):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
     overrides = [f"data.train_files={data_dir}/wm_train.parquet", f"data.val_files={data_dir}/wm_val.parquet",
                  "model.partial_pretrain=tiny", f"trainer.default_local_dir={out_dir}", "data.max_length=96",
                  "data.train_batch_size=4", "data.max_tokens_per_micro_batch=192", "optim.lr=1e-3",
                  "trainer.total_training_steps=1", "trainer.device=cpu", *extra]
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return hydra_compose(config_name="sft_trainer", overrides=overrides)
-
-
-def run(cfg, stop_at_step: int | None = None) -> None:
-    trainer = SftTrainer(cfg)
-    try:
-        trainer.setup()
-        trainer.train(stop_at_step)
-    finally:
-        trainer.cleanup()
+    return in_process.compose(overrides)
 
 
 def make_dataset(root: Path, seed: int = 0, card: bool = True) -> Path:

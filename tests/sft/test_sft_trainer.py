@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 from sft_fixtures import synthetic_rows, write_rows
 
+from sft.in_process import run
 from sft.spa_sft_trainer import SftTrainer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,15 +44,6 @@ def overrides(data_dir: Path, out_dir: Path, *extra: str) -> list[str]:
             "data.train_batch_size=4", "data.max_tokens_per_micro_batch=192", "optim.lr=3e-3",
             "trainer.total_epochs=2", "trainer.total_training_steps=6", "trainer.save_freq=2",
             "trainer.max_ckpt_to_keep=1", "trainer.device=cpu", *extra]
-
-
-def run(cfg, stop_at_step: int | None = None) -> None:
-    trainer = SftTrainer(cfg)
-    try:
-        trainer.setup()
-        trainer.train(stop_at_step)
-    finally:
-        trainer.cleanup()
 
 
 def records(out_dir: Path) -> list[dict]:

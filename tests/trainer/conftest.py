@@ -26,12 +26,8 @@ TINY_PPO = [
 
 
 @pytest.fixture(autouse=True)
-def one_torch_thread():
-    """One intra-op thread: on a shared 2-core machine, spinning OpenMP threads made tiny runs 10–20× slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_torch_thread):
+    """Every trainer test on one torch thread (tests/conftest.py)."""
 
 
 @pytest.fixture
