@@ -6,6 +6,7 @@
 #   3. the local backend on one GPU of the same machine, same model and batch, for the phase timings beside verl's.
 #
 #   bash benchmarks/verl_gpu_check.sh <out_dir> [FIRST=3] [TOTAL=5] [LOCAL_STEPS=1]
+# GPU_TESTS=0 skips step 1 (its tests passed on 2x H200: benchmarks/RESULTS.md).
 # Needs ray, vllm and the project's dependencies importable (docs/scale_out.md, "Offline GPU hosts").
 # Writes <out_dir>/summary.txt (one line per step: exit status, seconds), one log per step and the runs' metrics.
 set -uo pipefail
@@ -26,17 +27,17 @@ run_step() {  # run_step NAME COMMAND...: log to $out/NAME.log, one summary line
 }
 
 [ -f "$work/model/config.json" ] || (cd benchmarks && python random_model.py --shape 0.5b --out "$work/model")
-ppo() {  # ppo NGPUS EXPERIMENT STEPS [overrides...] (one GPU: the first)
-    local gpus="$1" experiment="$2" steps="$3"; shift 3
+ppo() {  # ppo NGPUS EXPERIMENT STEPS RESUME [overrides...] (one GPU: the first)
+    local gpus="$1" experiment="$2" steps="$3" resume="$4"; shift 4
     local visible=(); [ "$gpus" = 1 ] && visible=(CUDA_VISIBLE_DEVICES=0)
-    env "${visible[@]}" NGPUS="$gpus" MODEL=0.5B TOTAL_STEPS="$steps" BASE_DIR="$work/runs" \
+    env "${visible[@]}" NGPUS="$gpus" MODEL=0.5B TOTAL_STEPS="$steps" RESUME="$resume" BASE_DIR="$work/runs" \
         bash train_ppo_sfted.sh _2_sokoban "$work/model" "$experiment" trainer.test_freq=-1 "$@"
 }
 
-run_step gpu_tests python -m pytest tests/trainer/test_verl_gpu.py -v -x -p no:cacheprovider
-run_step verl_first ppo 2 verl "$first" trainer.save_freq="$first"
-run_step verl_resume ppo 2 verl "$total" trainer.save_freq="$first"
-run_step local_one_gpu ppo 1 local "$local_steps"
+[ "${GPU_TESTS:-1}" = 0 ] || run_step gpu_tests python -m pytest tests/trainer/test_verl_gpu.py -v -x -p no:cacheprovider
+run_step verl_first ppo 2 verl "$first" 0 trainer.save_freq="$first"
+run_step verl_resume ppo 2 verl "$total" 1 trainer.save_freq="$first"
+run_step local_one_gpu ppo 1 local "$local_steps" 0
 for run in verl local; do
     cp "$work/runs/_2_sokoban/$run/metrics.jsonl" "$out/metrics_$run.jsonl" 2>/dev/null
 done
