@@ -236,10 +236,7 @@ class VerlBackend:
     # ---------------------------------------------------------------- updates
 
     def _update_meta(self, role_cfg: DictConfig) -> dict:
-        """How verl's train_mini_batch splits the batch: mini-batches, epochs, shuffling (RayPPOTrainer's keys)."""
-        mini = int(role_cfg.ppo_mini_batch_size)
-        return {"temperature": self.temperature, "global_batch_size": mini, "mini_batch_size": mini,
-                "epochs": int(role_cfg.ppo_epochs), "seed": int(self.verl_cfg.actor_rollout_ref.actor.data_loader_seed), "dataloader_kwargs": {"shuffle": bool(role_cfg.shuffle)}}
+        return update_meta(role_cfg, self.temperature, int(self.verl_cfg.actor_rollout_ref.actor.data_loader_seed))
 
     def update_critic(self, batch: DataProto) -> dict[str, float]:
         self._sleep_rollout()
@@ -271,3 +268,11 @@ class VerlBackend:
         self._sleep_rollout()
         for role, group in (("actor", self.workers.actor), ("critic", self.workers.critic)):
             group.load_checkpoint(str(Path(directory) / role))
+
+
+def update_meta(role_cfg: DictConfig, temperature: float, seed: int) -> dict:
+    """How verl's train_mini_batch splits the batch of one role (actor or critic): mini-batches, epochs,
+    shuffling (RayPPOTrainer's keys)."""
+    mini = int(role_cfg.ppo_mini_batch_size)
+    return {"temperature": temperature, "global_batch_size": mini, "mini_batch_size": mini,
+            "epochs": int(role_cfg.ppo_epochs), "seed": seed, "dataloader_kwargs": {"shuffle": bool(role_cfg.shuffle)}}

@@ -18,7 +18,7 @@ from SPA_agent.generators import build_generator
 from SPA_agent.trainer import local_backend, verl_config, verl_layout
 from SPA_agent.trainer import local_models as lm
 from SPA_agent.trainer.backend import build_backend
-from SPA_agent.trainer.verl_backend import runtime_problems
+from SPA_agent.trainer.verl_backend import runtime_problems, update_meta
 
 
 def test_unknown_backend_lists_the_valid_ones(tiny_tokenizer):
@@ -32,6 +32,18 @@ def test_verl_backend_without_gpu_names_what_to_install(tiny_tokenizer):
     cfg = compose("_2_sokoban", ["model=tiny", "trainer.backend=verl"])
     with pytest.raises(ValueError, match=r"missing here: .*a CUDA GPU.*pip install 'spa-agent\[gpu\]'"):
         build_backend(cfg, tiny_tokenizer)
+
+
+@pytest.mark.parametrize("role", ["actor_rollout_ref.actor", "critic"])
+def test_update_meta_reads_every_key_of_both_roles(role):
+    """The first verl PPO step on GPUs stopped at the critic update: `critic.shuffle` was missing from the config."""
+    cfg = compose("_2_sokoban", ["actor_rollout_ref.actor.ppo_mini_batch_size=32", "critic.ppo_mini_batch_size=32"])
+    role_cfg = cfg
+    for key in role.split("."):
+        role_cfg = role_cfg[key]
+    assert update_meta(role_cfg, temperature=1.0, seed=7) == {
+        "temperature": 1.0, "global_batch_size": 32, "mini_batch_size": 32, "epochs": 1, "seed": 7,
+        "dataloader_kwargs": {"shuffle": False}}
 
 
 def test_runtime_problems_lists_each_missing_piece():
