@@ -11,6 +11,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from SPA_agent.dir_lock import DirLock
+from SPA_agent.plots import plot_dir
 from SPA_agent.trainer import checkpoint
 from SPA_agent.trainer.main_ppo import build_trainer, run
 from SPA_agent.trainer.tracking import read_metrics
@@ -21,6 +22,8 @@ TRAIN_KEYS = (
     "critic/values/mean", "critic/vf_explained_var", "rollout/old_log_prob", "rollout/ref_log_prob",
     "rollout/in_group_std", "rollout/chosen_in_group_std", "timing_s/gen", "timing_s/old_log_prob",
     "timing_s/ref", "timing_s/values", "timing_s/update_critic", "timing_s/update_actor", "timing_s/step",
+    "diag/entropy/all", "diag/token_share/other", "diag/kl_ref", "train/diag/distinct_in_group",
+    "train/diag/distinct_batch", "train/diag/format_valid", "timing_s/diagnostics",
 )
 LOSSES = ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm")
 
@@ -33,6 +36,7 @@ def _check_run(output: Path, tag: str, steps: list[int]) -> list[dict]:
     for record in records:
         if record["step"] == 0:
             assert f"val-env/{tag}/success" in record and f"val-env/{tag}/pass@2" in record
+            assert "val-env/diag/distinct_in_group" in record and "val-env/diag/format_valid" in record
             continue
         missing = [k for k in (*TRAIN_KEYS, f"train/{tag}/success") if k not in record]
         assert not missing, missing
@@ -46,8 +50,14 @@ def _check_run(output: Path, tag: str, steps: list[int]) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.parametrize("config_name, tag", [("_3_frozen_lake", "FrozenLake"), ("_10_sudoku", "Sudoku")])
 def test_two_step_ppo_run_logs_finite_losses_and_checkpoints(ppo_config, config_name, tag):
-    records = _check_run(run(ppo_config(config_name)), tag, [0, 1, 2])
+    """… and the diagnostics: input dependence at every step with mi_freq=1, the diagnostics plot."""
+    output = run(ppo_config(config_name, "trainer.diagnostics.mi_freq=1"))
+    records = _check_run(output, tag, [0, 1, 2])
     assert f"val-env/{tag}/success" in records[-1]  # validation at the last step
+    for record in records[1:]:
+        assert record["diag/mi/chance"] == 0.5 and 0 <= record["diag/mi/accuracy"] <= 1  # 2 groups
+        assert math.isfinite(record["diag/mi/estimate"])
+    assert (output / "diagnostics.png") in plot_dir(output)
 
 
 @pytest.mark.slow
