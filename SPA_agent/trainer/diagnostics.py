@@ -121,10 +121,12 @@ class Diagnostics:
 
     @torch.no_grad()
     def input_dependence(self, rollout_batch: DataProto, step: int) -> dict[str, float]:
-        """`diag/mi/*` on one trajectory from each of up to `mi_samples` groups of the (unfiltered) rollout.
-        Needs at least two groups; with fewer it returns nothing."""
+        """`diag/mi/*` on one trajectory from each of up to `mi_samples` groups of the (unfiltered) rollout
+        (trajectories with sampled tokens only). Needs two such groups; with fewer it returns nothing."""
         t = rollout_batch.batch
-        rows = dep.sample_rows(rollout_batch.non_tensor_batch["group_ids"], self.mi_samples, seed=step)
+        sampled = np.flatnonzero(t["response_mask"].sum(-1).numpy() > 0)
+        group_ids = np.asarray(rollout_batch.non_tensor_batch["group_ids"])[sampled]
+        rows = sampled[dep.sample_rows(group_ids, self.mi_samples, seed=step)].tolist()
         if len(rows) < 2:
             return {}
         labels = self.labeler.batch(t["input_ids"][rows], t["response_mask"][rows])

@@ -93,16 +93,19 @@ def test_entry_point_turns_config_mistakes_into_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_resumed_run_reproduces_the_uninterrupted_run(ppo_config, tmp_path):
-    """Interrupt after step 1 and resume: step 2's losses and the final actor equal an uninterrupted run's."""
+    """Interrupt after step 1 and resume: step 2's losses and the final actor equal an uninterrupted run's. The
+    resumed run measures input dependence at every step, the other never: diagnostics leave training unchanged."""
     import torch
 
     common = ("trainer.save_freq=1", "trainer.test_freq=0")
-    straight = run(ppo_config("_2_sokoban", "trainer.total_training_steps=2", *common,
+    straight = run(ppo_config("_2_sokoban", "trainer.total_training_steps=2", *common, "trainer.diagnostics.mi_freq=0",
                               f"trainer.default_local_dir={tmp_path / 'straight'}"))
     resumed_dir = f"trainer.default_local_dir={tmp_path / 'resumed'}"
+    common = (*common, "trainer.diagnostics.mi_freq=1")
     run(ppo_config("_2_sokoban", "trainer.total_training_steps=1", *common, resumed_dir))
     resumed = run(ppo_config("_2_sokoban", "trainer.total_training_steps=2", *common, resumed_dir))
     step2 = [read_metrics(d / "metrics.jsonl")[-1] for d in (straight, resumed)]
+    assert "diag/mi/estimate" in step2[1] and "diag/mi/estimate" not in step2[0]
     for key in ("actor/pg_loss", "critic/vf_loss", "critic/score/mean", "rollout/old_log_prob"):
         assert step2[0][key] == pytest.approx(step2[1][key], rel=1e-5, abs=1e-7), key
     actors = [AutoModelForCausalLM.from_pretrained(d / "global_step_2" / "actor") for d in (straight, resumed)]
