@@ -106,7 +106,8 @@ def build_trainer(cfg: DictConfig, lock: DirLock):
     if not resume:
         run_identity.reset_run_dir(output_dir, identity, OWNED_OUTPUTS)
     write_text(output_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
-    trainer = PPOTrainer(cfg, backend, proxy, MetricLogger(cfg, output_dir), Diagnostics.for_proxy(cfg, backend, proxy))
+    diagnostics = Diagnostics.for_proxy(cfg, backend, proxy)
+    trainer = PPOTrainer(cfg, backend, proxy, MetricLogger(cfg, output_dir), diagnostics)
     if resume:
         trainer.resume()
     return trainer

@@ -41,6 +41,7 @@ class PPOTrainer:
 
     def __init__(self, cfg: DictConfig, backend: WorkerGroup, proxy, logger: MetricLogger,
                  diagnostics: Diagnostics | None = None):
+        """`diagnostics`: the RL-health metrics to log (main_ppo builds them; None logs none)."""
         self.cfg, self.backend, self.proxy, self.logger = cfg, backend, proxy, logger
         self.diagnostics = diagnostics
         self.output_dir = Path(cfg.trainer.default_local_dir)
@@ -75,7 +76,7 @@ class PPOTrainer:
         """One PPO iteration; returns its metrics (timings are added to `timer`)."""
         with timer("gen"):
             rollout = self.proxy.rollout(val=False)
-        metrics = prefixed("train", {**rollout.metrics, **self._rollout_diagnostics(rollout)})
+        metrics = prefixed("train", self._rollout_metrics(rollout))
         metrics["rollout/first_seed"] = float(rollout.batch.non_tensor_batch["seeds"].min())
         with timer("filter"):
             batch, filter_metrics = self.filter_batch(rollout.batch)
@@ -155,12 +156,14 @@ class PPOTrainer:
     def validate(self) -> dict[str, float]:
         """`validation_steps` validation rollouts (same seeds each time), env metrics and rollout diagnostics
         averaged, as `val-env/*`."""
-        rollouts = [self.proxy.rollout(val=True) for _ in range(self.cfg.trainer.validation_steps)]
-        runs = [{**r.metrics, **self._rollout_diagnostics(r)} for r in rollouts]
+        runs = [self._rollout_metrics(self.proxy.rollout(val=True)) for _ in range(self.cfg.trainer.validation_steps)]
         return prefixed("val-env", mean_metrics(runs))
 
-    def _rollout_diagnostics(self, rollout) -> dict[str, float]:
-        return self.diagnostics.rollout_metrics(rollout) if self.diagnostics is not None else {}
+    def _rollout_metrics(self, rollout) -> dict[str, float]:
+        """The rollout's env metrics and, with diagnostics, its format-valid rate and distinct ratios."""
+        if self.diagnostics is None:
+            return dict(rollout.metrics)
+        return {**rollout.metrics, **self.diagnostics.rollout_metrics(rollout)}
 
     # ---------------------------------------------------------------- checkpoints
 
