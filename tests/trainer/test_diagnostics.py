@@ -58,6 +58,14 @@ def test_hand_built_turn_gets_exact_token_spans(request, tokenizer_name):
     assert labeler.turn(ids) == expected
 
 
+def test_without_thinking_the_forced_answer_prefix_opens_the_answer(tiny_tokenizer):
+    chat = ChatTokenizer(tiny_tokenizer)
+    answer, closing, trailing = chat.encode("Left || Up"), chat.encode("</answer>"), chat.encode(" ok")
+    labeler = SpanLabeler(token_decoder(tiny_tokenizer), "<answer>", chat.stop_ids)
+    labels = labeler.turn(answer + closing + trailing + chat.stop_ids[:1])
+    assert labels == [ANSWER] * len(answer) + [OTHER] * (len(closing) + len(trailing) + 1)
+
+
 def test_char_labels_take_the_innermost_block_and_run_unclosed_blocks_to_the_end():
     text = "<think>12<observation>3</observation></answer>4<answer>5"
     labels = char_labels(text)
