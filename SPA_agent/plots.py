@@ -1,5 +1,5 @@
-"""PNG plots (matplotlib, Agg backend): pass@k over k from an evaluation, and validation success / pass@G over
-training steps from a PPO run's metrics.jsonl.
+"""PNG plots (matplotlib, Agg backend): pass@k over k from an evaluation; validation success / pass@G over
+training steps and the RL-health diagnostics (docs/diagnostics.md) from a PPO run's metrics.jsonl.
 
     python -m SPA_agent.plots <run dir or eval dir> [--out DIR]
 """
@@ -23,6 +23,19 @@ from SPA_agent import atomic_io
 from SPA_agent.metrics_file import read_records
 
 VAL_KEY = re.compile(r"^val-env/(?P<tag>[^/]+)/(?P<name>success|pass@\d+)$")
+#: panels of the diagnostics figure: (title, y label, metric keys plotted when logged)
+DIAGNOSTIC_PANELS = (
+    ("entropy by span", "nats", tuple(f"diag/entropy/{s}" for s in ("all", "state", "reasoning", "answer", "other"))),
+    ("share of trained tokens", "fraction",
+     tuple(f"diag/token_share/{s}" for s in ("state", "reasoning", "answer", "other"))),
+    ("distinct responses", "ratio", ("train/diag/distinct_in_group", "train/diag/distinct_batch",
+                                     "val-env/diag/distinct_in_group", "val-env/diag/distinct_batch")),
+    ("input dependence of reasoning", "accuracy / nats", ("diag/mi/accuracy", "diag/mi/chance", "diag/mi/estimate")),
+    ("score std within groups", "std", ("rollout/in_group_std", "rollout/chosen_in_group_std")),
+    ("format valid", "fraction of turns", ("train/diag/format_valid", "val-env/diag/format_valid")),
+    ("KL to reference", "nats", ("diag/kl_ref", "actor/kl_loss", "actor/reward_kl_penalty")),
+    ("response length", "tokens", ("response_length/mean", "train/response_length", "val-env/response_length")),
+)
 
 
 def _save(fig, path: Path) -> Path:
@@ -84,21 +97,60 @@ def plot_training(run_dir: Path, out_path: Path | None = None) -> Path:
     return _save(fig, out_path or Path(run_dir) / "val_curves.png")
 
 
+def read_series(path: Path, keys: tuple[str, ...]) -> dict[str, list[tuple[int, float]]]:
+    """{key: [(step, value), …]} of the given keys of a metrics.jsonl, finite values only (a NaN is logged as a
+    string)."""
+    series: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    for record in read_records(path)[0]:
+        for key in keys:
+            if isinstance(record.get(key), (int, float)) and "step" in record:
+                series[key].append((int(record["step"]), float(record[key])))
+    return series
+
+
+def plot_diagnostics(run_dir: Path, out_path: Path | None = None) -> Path:
+    """The RL-health diagnostics over training steps (DIAGNOSTIC_PANELS; a panel says so when nothing is logged)."""
+    metrics_file = Path(run_dir) / "metrics.jsonl"
+    series = read_series(metrics_file, tuple(key for _, _, keys in DIAGNOSTIC_PANELS for key in keys))
+    if not any(key.startswith(("diag/", "train/diag/", "val-env/diag/")) for key in series):
+        raise ValueError(f"{metrics_file} has no diagnostics (diag/* keys)")
+    fig, axes = plt.subplots(2, 4, figsize=(20, 7), squeeze=False)
+    for ax, (title, ylabel, keys) in zip(axes.flat, DIAGNOSTIC_PANELS):
+        ax.set(title=title, xlabel="training step", ylabel=ylabel)
+        logged = [key for key in keys if series.get(key)]
+        for key in logged:
+            steps, values = zip(*sorted(series[key]))
+            ax.plot(steps, values, marker=".", label=key, linestyle="--" if key.startswith("val-env/") else "-")
+        if logged:
+            ax.legend(fontsize="small")
+        else:
+            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
+    fig.tight_layout()
+    return _save(fig, out_path or Path(run_dir) / "diagnostics.png")
+
+
 def plot_dir(path: Path, out_dir: Path | None = None) -> list[Path]:
-    """Every plot that `path` supports: eval.json → passk.png; metrics.jsonl → val_curves.png."""
+    """Every plot that `path` supports: eval.json → passk.png; metrics.jsonl → val_curves.png and, when it holds
+    diagnostics, diagnostics.png."""
     path, written = Path(path), []
     out_dir = Path(out_dir) if out_dir else path
     if (path / "eval.json").is_file():
         written.append(plot_passk(json.loads((path / "eval.json").read_text()), out_dir / "passk.png"))
     if (path / "metrics.jsonl").is_file():
-        written.append(plot_training(path, out_dir / "val_curves.png"))
+        metrics_file = path / "metrics.jsonl"
+        has_diagnostics = bool(read_series(metrics_file, ("diag/entropy/all", "train/diag/format_valid")))
+        if read_metrics_jsonl(metrics_file) or not has_diagnostics:  # plot_training names what is missing
+            written.append(plot_training(path, out_dir / "val_curves.png"))
+        if has_diagnostics:
+            written.append(plot_diagnostics(path, out_dir / "diagnostics.png"))
     if not written:
         raise FileNotFoundError(f"{path} holds neither eval.json nor metrics.jsonl")
     return written
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Plot pass@k (eval dir) and validation curves (PPO run dir).")
+    parser = argparse.ArgumentParser(
+        description="Plot pass@k (eval dir), validation curves and diagnostics (PPO run dir).")
     parser.add_argument("run_dir", type=Path, help="an evaluation directory or a PPO run directory")
     parser.add_argument("--out", type=Path, default=None, help="directory for the PNGs (default: run_dir)")
     args = parser.parse_args(argv)

@@ -101,3 +101,7 @@ def _check_trainer(cfg: DictConfig) -> None:
         raise ValueError(f"unknown trainer.resume_mode {trainer.resume_mode!r}; choose one of {list(RESUME_MODES)}")
     if trainer.test_freq > 0 and trainer.validation_steps < 1:
         raise ValueError("trainer.validation_steps must be >= 1 when trainer.test_freq > 0")
+    diagnostics = trainer.diagnostics
+    if diagnostics.mi_freq < 0 or (diagnostics.mi_freq > 0 and diagnostics.mi_samples < 2):
+        raise ValueError("trainer.diagnostics needs mi_freq >= 0 (0 = off) and mi_samples >= 2 (prompts to tell apart), "
+                         f"got mi_freq={diagnostics.mi_freq}, mi_samples={diagnostics.mi_samples}")

@@ -32,7 +32,7 @@ from SPA_agent.entry import apply_system_env, exit_on_user_error, load_tokenizer
 IDENTITY_IGNORED = ("trainer.default_local_dir", "trainer.project_name", "trainer.experiment_name", "trainer.logger",
                     "trainer.resume_mode", "trainer.save_freq", "trainer.max_actor_ckpt_to_keep",
                     "trainer.max_critic_ckpt_to_keep", "model_path", "actor_rollout_ref.model.path",
-                    "critic.model.path", "system", "output_root", "data_gen", "evaluation")
+                    "critic.model.path", "system", "output_root", "data_gen", "evaluation", "trainer.diagnostics")
 #: what a run writes into trainer.default_local_dir (a fresh run removes these, and nothing else)
 OWNED_OUTPUTS = ("global_step_*", ".global_step_*.partial", "latest_checkpointed_iteration.txt", "metrics.jsonl",
                  "config.yaml", "wandb", run_identity.IDENTITY_FILE)
@@ -87,6 +87,7 @@ def build_trainer(cfg: DictConfig, lock: DirLock):
     (resumed when the directory holds a run of the same identity). Nothing is written before the checks."""
     from SPA_agent.agent_proxy import LLMAgentProxy
     from SPA_agent.trainer.config_checks import check_config
+    from SPA_agent.trainer.diagnostics import Diagnostics
     from SPA_agent.trainer.ppo_trainer import PPOTrainer
     from SPA_agent.trainer.tracking import MetricLogger
 
@@ -105,7 +106,8 @@ def build_trainer(cfg: DictConfig, lock: DirLock):
     if not resume:
         run_identity.reset_run_dir(output_dir, identity, OWNED_OUTPUTS)
     write_text(output_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
-    trainer = PPOTrainer(cfg, backend, proxy, MetricLogger(cfg, output_dir))
+    diagnostics = Diagnostics.for_proxy(cfg, backend, proxy)
+    trainer = PPOTrainer(cfg, backend, proxy, MetricLogger(cfg, output_dir), diagnostics)
     if resume:
         trainer.resume()
     return trainer

@@ -8,6 +8,8 @@ One step is a list of named, timed phases (`timing_s/<phase>`):
                    none skips the phases below); response_mask := loss_mask
     old_log_prob   actor log-probs of the batch (and entropies)
     ref            reference log-probs (when a reference model exists)
+    diagnostics    span entropies, KL to the reference; every trainer.diagnostics.mi_freq steps the input
+                   dependence of the reasoning (one extra log-prob pass; diagnostics.py, docs/diagnostics.md)
     values         critic values (GAE only: the other estimators have no critic)
     adv            rewards (optionally minus β·KL) and GAE / bi-level GAE / critic-free (GRPO, RLOO, …) advantages
     update_critic  clipped value loss, one pass of mini-batches (GAE only)
@@ -29,6 +31,7 @@ from verl.trainer.ppo import core_algos
 from SPA_agent.progress import progress_bar
 from SPA_agent.trainer import algos, checkpoint
 from SPA_agent.trainer.backend import WorkerGroup
+from SPA_agent.trainer.diagnostics import Diagnostics
 from SPA_agent.trainer.metrics import PhaseTimer, data_metrics, mean_metrics, prefixed
 from SPA_agent.trainer.tracking import MetricLogger
 
@@ -36,8 +39,11 @@ from SPA_agent.trainer.tracking import MetricLogger
 class PPOTrainer:
     """Owns the loop; the backend owns the models, the proxy owns the environments."""
 
-    def __init__(self, cfg: DictConfig, backend: WorkerGroup, proxy, logger: MetricLogger):
+    def __init__(self, cfg: DictConfig, backend: WorkerGroup, proxy, logger: MetricLogger,
+                 diagnostics: Diagnostics | None = None):
+        """`diagnostics`: the RL-health metrics to log (main_ppo builds them; None logs none)."""
         self.cfg, self.backend, self.proxy, self.logger = cfg, backend, proxy, logger
+        self.diagnostics = diagnostics
         self.output_dir = Path(cfg.trainer.default_local_dir)
         self.total_steps = int(cfg.trainer.total_training_steps)
         self.kl_ctrl = core_algos.get_kl_controller(cfg.algorithm.kl_ctrl)
@@ -70,7 +76,7 @@ class PPOTrainer:
         """One PPO iteration; returns its metrics (timings are added to `timer`)."""
         with timer("gen"):
             rollout = self.proxy.rollout(val=False)
-        metrics = prefixed("train", rollout.metrics)
+        metrics = prefixed("train", self._rollout_metrics(rollout))
         metrics["rollout/first_seed"] = float(rollout.batch.non_tensor_batch["seeds"].min())
         with timer("filter"):
             batch, filter_metrics = self.filter_batch(rollout.batch)
@@ -82,6 +88,9 @@ class PPOTrainer:
         if self.backend.has_ref:
             with timer("ref"):
                 batch = batch.union(self.backend.compute_ref_log_prob(batch))
+        if self.diagnostics is not None:
+            with timer("diagnostics"):
+                metrics.update(self.diagnostics.step_metrics(batch, rollout.batch, step))
         if self.use_critic:
             with timer("values"):
                 batch = batch.union(self.backend.compute_values(batch))
@@ -145,9 +154,16 @@ class PPOTrainer:
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
-        """`validation_steps` validation rollouts (same seeds each time), env metrics averaged, as `val-env/*`."""
-        runs = [self.proxy.rollout(val=True).metrics for _ in range(self.cfg.trainer.validation_steps)]
+        """`validation_steps` validation rollouts (same seeds each time), env metrics and rollout diagnostics
+        averaged, as `val-env/*`."""
+        runs = [self._rollout_metrics(self.proxy.rollout(val=True)) for _ in range(self.cfg.trainer.validation_steps)]
         return prefixed("val-env", mean_metrics(runs))
+
+    def _rollout_metrics(self, rollout) -> dict[str, float]:
+        """The rollout's env metrics and, with diagnostics, its format-valid rate and distinct ratios."""
+        if self.diagnostics is None:
+            return dict(rollout.metrics)
+        return {**rollout.metrics, **self.diagnostics.rollout_metrics(rollout)}
 
     # ---------------------------------------------------------------- checkpoints
 

@@ -30,6 +30,7 @@ def test_entry_configs_pass_the_checks(config_name):
     (["trainer.n_gpus_per_node=4"], "trainer.n_gpus_per_node=1"),
     (["trainer.resume_mode=sometimes"], "resume_mode"),
     (["actor_rollout_ref.actor.loss_agg_mode=mean"], "loss_agg_mode"),
+    (["trainer.diagnostics.mi_samples=1"], "mi_samples >= 2"),
 ])
 def test_bad_settings_fail_with_a_message_naming_them(overrides, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):

@@ -11,6 +11,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from SPA_agent.dir_lock import DirLock
+from SPA_agent.plots import plot_dir
 from SPA_agent.trainer import checkpoint
 from SPA_agent.trainer.main_ppo import build_trainer, run
 from SPA_agent.trainer.tracking import read_metrics
@@ -21,6 +22,8 @@ TRAIN_KEYS = (
     "critic/values/mean", "critic/vf_explained_var", "rollout/old_log_prob", "rollout/ref_log_prob",
     "rollout/in_group_std", "rollout/chosen_in_group_std", "timing_s/gen", "timing_s/old_log_prob",
     "timing_s/ref", "timing_s/values", "timing_s/update_critic", "timing_s/update_actor", "timing_s/step",
+    "diag/entropy/all", "diag/token_share/other", "diag/kl_ref", "train/diag/distinct_in_group",
+    "train/diag/distinct_batch", "train/diag/format_valid", "timing_s/diagnostics",
 )
 LOSSES = ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm")
 
@@ -33,6 +36,7 @@ def _check_run(output: Path, tag: str, steps: list[int]) -> list[dict]:
     for record in records:
         if record["step"] == 0:
             assert f"val-env/{tag}/success" in record and f"val-env/{tag}/pass@2" in record
+            assert "val-env/diag/distinct_in_group" in record and "val-env/diag/format_valid" in record
             continue
         missing = [k for k in (*TRAIN_KEYS, f"train/{tag}/success") if k not in record]
         assert not missing, missing
@@ -46,8 +50,14 @@ def _check_run(output: Path, tag: str, steps: list[int]) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.parametrize("config_name, tag", [("_3_frozen_lake", "FrozenLake"), ("_10_sudoku", "Sudoku")])
 def test_two_step_ppo_run_logs_finite_losses_and_checkpoints(ppo_config, config_name, tag):
-    records = _check_run(run(ppo_config(config_name)), tag, [0, 1, 2])
+    """… and the diagnostics: input dependence at every step with mi_freq=1, the diagnostics plot."""
+    output = run(ppo_config(config_name, "trainer.diagnostics.mi_freq=1"))
+    records = _check_run(output, tag, [0, 1, 2])
     assert f"val-env/{tag}/success" in records[-1]  # validation at the last step
+    for record in records[1:]:
+        assert record["diag/mi/chance"] == 0.5 and 0 <= record["diag/mi/accuracy"] <= 1  # 2 groups
+        assert math.isfinite(record["diag/mi/estimate"])
+    assert (output / "diagnostics.png") in plot_dir(output)
 
 
 @pytest.mark.slow
@@ -83,16 +93,19 @@ def test_entry_point_turns_config_mistakes_into_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_resumed_run_reproduces_the_uninterrupted_run(ppo_config, tmp_path):
-    """Interrupt after step 1 and resume: step 2's losses and the final actor equal an uninterrupted run's."""
+    """Interrupt after step 1 and resume: step 2's losses and the final actor equal an uninterrupted run's. The
+    resumed run measures input dependence at every step, the other never: diagnostics leave training unchanged."""
     import torch
 
     common = ("trainer.save_freq=1", "trainer.test_freq=0")
-    straight = run(ppo_config("_2_sokoban", "trainer.total_training_steps=2", *common,
+    straight = run(ppo_config("_2_sokoban", "trainer.total_training_steps=2", *common, "trainer.diagnostics.mi_freq=0",
                               f"trainer.default_local_dir={tmp_path / 'straight'}"))
     resumed_dir = f"trainer.default_local_dir={tmp_path / 'resumed'}"
+    common = (*common, "trainer.diagnostics.mi_freq=1")
     run(ppo_config("_2_sokoban", "trainer.total_training_steps=1", *common, resumed_dir))
     resumed = run(ppo_config("_2_sokoban", "trainer.total_training_steps=2", *common, resumed_dir))
     step2 = [read_metrics(d / "metrics.jsonl")[-1] for d in (straight, resumed)]
+    assert "diag/mi/estimate" in step2[1] and "diag/mi/estimate" not in step2[0]
     for key in ("actor/pg_loss", "critic/vf_loss", "critic/score/mean", "rollout/old_log_prob"):
         assert step2[0][key] == pytest.approx(step2[1][key], rel=1e-5, abs=1e-7), key
     actors = [AutoModelForCausalLM.from_pretrained(d / "global_step_2" / "actor") for d in (straight, resumed)]
