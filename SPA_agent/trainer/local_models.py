@@ -7,12 +7,15 @@ Shapes: b trajectories in a micro-batch, T tokens per row; outputs are (b, T-1),
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import copy
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import nn
 from verl import DataProto
 from verl.utils import torch_functional as verl_F
+
+from SPA_agent.trainer import lora
 
 #: batch keys a forward pass reads
 MODEL_INPUT_KEYS = ("input_ids", "attention_mask", "position_ids")
@@ -57,6 +60,27 @@ def load_reference(path: str, device: torch.device) -> nn.Module:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     model.requires_grad_(False)
     return model
+
+
+def rollout_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A frozen copy of the policy in `dtype` to generate with. Of a LoRA model, a plain model of the same
+    architecture (and generation config) without adapters, to be filled with merged weights by `copy_weights`."""
+    if not lora.is_lora(model):
+        return copy.deepcopy(model).to(dtype).eval().requires_grad_(False)
+    from transformers import AutoModelForCausalLM
+
+    base = model.get_base_model()
+    with torch.device(next(base.parameters()).device):
+        plain = AutoModelForCausalLM.from_config(base.config, dtype=dtype)
+    plain.generation_config = copy.deepcopy(base.generation_config)
+    return plain.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def copy_weights(target: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
+    """Copy `weights` (Hugging Face names, e.g. `lora.generation_weights`) into `target`'s parameters."""
+    for name, param in target.named_parameters():
+        param.copy_(weights[name])
 
 
 def _set_gradient_checkpointing(model: nn.Module, enabled: bool) -> None:
