@@ -153,9 +153,9 @@ class LocalBackend:
             actor = self.actor.model
             if self.device.type == "cuda" and self.cfg.generator.name == "hf":
                 self._rollout_model = lm.rollout_copy(actor, torch.bfloat16)
-                self._refresh_generator_weights()
             model = self._rollout_model if self._rollout_model is not None else lora.adapted_model(actor)
             self._generator = build_generator(self.cfg.generator, self.model_path, self.tokenizer, model=model)
+            self._refresh_generator_weights()  # e.g. a resumed actor's weights into an engine built from model_path
         return self._generator
 
     def generate(self, prompts: list) -> list:
@@ -166,12 +166,11 @@ class LocalBackend:
     def _refresh_generator_weights(self) -> None:
         """Copies of the weights held for generation (bf16 rollout model, vLLM engine) get the actor's (merged
         with its adapters under LoRA)."""
-        weights = lora.generation_weights(self.actor.model)
         if self._rollout_model is not None:
-            lm.copy_weights(self._rollout_model, weights)
+            lm.copy_weights(self._rollout_model, lora.generation_weights(self.actor.model))
         update = getattr(self._generator, "update_weights", None)
         if update is not None:
-            update(weights.items())
+            update(lora.generation_weights(self.actor.model))
 
     # ---------------------------------------------------------------- inference passes
 

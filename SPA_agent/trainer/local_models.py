@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -77,10 +77,17 @@ def rollout_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 
 @torch.no_grad()
-def copy_weights(target: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
-    """Copy `weights` (Hugging Face names, e.g. `lora.generation_weights`) into `target`'s parameters."""
-    for name, param in target.named_parameters():
-        param.copy_(weights[name])
+def copy_weights(target: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy (Hugging Face name, tensor) pairs (`lora.generation_weights`) into `target`'s parameters, one at a
+    time; names `target` does not hold as parameters (a tied head) are skipped, and every parameter must come."""
+    params = dict(target.named_parameters())
+    missing = set(params)
+    for name, value in weights:
+        if name in params:
+            params[name].copy_(value)
+            missing.discard(name)
+    if missing:
+        raise ValueError(f"no weights for {sorted(missing)[:3]} (of {len(missing)})")
 
 
 def _set_gradient_checkpointing(model: nn.Module, enabled: bool) -> None:

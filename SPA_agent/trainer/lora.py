@@ -12,6 +12,7 @@ Resuming rebuilds the base model from `<role>.model.path` and loads `adapter/` i
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -72,31 +73,32 @@ def adapted_model(model: nn.Module) -> nn.Module:
     return model.get_base_model() if is_lora(model) else model
 
 
-def generation_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Weights for a generation copy, by Hugging Face parameter name: merged under LoRA, else the parameters."""
-    return merged_state_dict(model) if is_lora(model) else dict(model.named_parameters())
+def generation_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, tensor) pairs for a generation copy: merged under LoRA, else the parameters."""
+    return merged_weights(model) if is_lora(model) else model.named_parameters()
 
 
 @torch.no_grad()
-def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The Hugging Face state dict of the adapted model, with plain keys: each adapted weight is W + ΔW (ΔW =
-    PEFT's `get_delta_weight`), the value head is the trained copy. W itself is not modified. A plain model's
-    own state dict is returned as is."""
-    if not is_lora(model):
-        return model.state_dict()
+def merged_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The adapted model's state, one tensor at a time with plain Hugging Face names: an adapted weight is
+    W + ΔW (ΔW = PEFT's `get_delta_weight`), the value head is its trained copy. W is not modified, and a merged
+    weight exists only until the consumer drops it (a 3B model's merged copy would be 12 GB in float32)."""
     from peft.tuners.lora import LoraLayer
 
     base = model.get_base_model()
     adapter = model.active_adapter
-    deltas = {f"{name}.base_layer.weight": module.get_delta_weight(adapter)
-              for name, module in base.named_modules() if isinstance(module, LoraLayer)}
-    merged = {}
+    adapted = {f"{name}.base_layer.weight": module for name, module in base.named_modules()
+               if isinstance(module, LoraLayer)}
     for key, value in base.state_dict().items():
         if any(marker in key for marker in _ADAPTER_MARKERS):
             continue
         name = key.replace(".base_layer.", ".").replace(f".modules_to_save.{adapter}.", ".")
-        merged[name] = value + deltas[key].to(value.dtype) if key in deltas else value
-    return merged
+        yield name, (value + adapted[key].get_delta_weight(adapter).to(value.dtype) if key in adapted else value)
+
+
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole merged state dict of a LoRA model (`merged_weights`) on the CPU, e.g. to save it."""
+    return {name: value.cpu() for name, value in merged_weights(model)}
 
 
 def save_merged(model: nn.Module, directory: Path) -> None:

@@ -48,7 +48,9 @@ def _base_log_probs(tiny_dir, batch) -> torch.Tensor:
 
 def test_only_adapters_and_value_head_train_and_the_reference_stays_the_base_model(
         ppo_config, tiny_tokenizer, make_batch, tiny_dir):
-    backend, before, batch = _updated_backend(ppo_config, tiny_tokenizer, make_batch)
+    backend, before, batch = _updated_backend(ppo_config, tiny_tokenizer, make_batch,  # as in the paper's runs
+                                              "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+                                              "critic.model.enable_gradient_checkpointing=True")
     assert backend.ref is None and backend.has_ref  # no second copy: the actor without adapters
     for role, trainable in backend._trainables().items():
         params = dict(trainable.model.named_parameters())
