@@ -49,9 +49,8 @@ class Trainable:
 
     @classmethod
     def build(cls, model: nn.Module, optim: DictConfig, grad_clip: float, total_steps: int) -> Trainable:
-        optimizer = torch.optim.AdamW(
-            lora.trainable_parameters(model), lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay
-        )
+        optimizer = torch.optim.AdamW(lora.trainable_parameters(model), lr=optim.lr, betas=tuple(optim.betas),
+                                      weight_decay=optim.weight_decay)
         warmup = optim.get("lr_warmup_steps") or -1
         if warmup < 0:
             warmup = int(optim.get("lr_warmup_steps_ratio", 0.0) * total_steps)

@@ -3,10 +3,9 @@
 Placement (spec §10.4): one Ray resource pool of `trainer.n_gpus_per_node × trainer.nnodes` GPUs holding one
 colocated worker per GPU: verl's `ActorRolloutRefWorker` (FSDP actor, frozen reference when `use_ref` — with a
 LoRA actor, the actor with its adapters disabled — and the rollout engine sharing the GPU: the hybrid engine) and
-a `TrainingWorker` value model (the critic). The rollout
-engine runs verl's server mode; our driver's LLMAgentProxy keeps the multi-turn loop and sends each turn's prompt
-ids through verl's `LLMServerClient` (token in, token out), so prompts, parsing, masks and rewards are the local
-backend's code. Log-probs, values and both PPO updates run inside verl's workers with verl's losses
+a `TrainingWorker` value model (the critic). The rollout engine runs verl's server mode; our driver's
+LLMAgentProxy keeps the multi-turn loop and sends each turn's prompt ids through verl's `LLMServerClient` (token
+in, token out), so prompts, parsing, masks and rewards are the local backend's code. Log-probs, values and both PPO updates run inside verl's workers with verl's losses
 (`verl.workers.utils.losses.ppo_loss` / `value_loss`, i.e. `core_algos`).
 
 The engine's memory is handed back and forth as verl's trainer does: the first `generate` after training syncs
