@@ -5,8 +5,9 @@ colocated worker per GPU: verl's `ActorRolloutRefWorker` (FSDP actor, frozen ref
 LoRA actor, the actor with its adapters disabled — and the rollout engine sharing the GPU: the hybrid engine) and
 a `TrainingWorker` value model (the critic). The rollout engine runs verl's server mode; our driver's
 LLMAgentProxy keeps the multi-turn loop and sends each turn's prompt ids through verl's `LLMServerClient` (token
-in, token out), so prompts, parsing, masks and rewards are the local backend's code. Log-probs, values and both PPO updates run inside verl's workers with verl's losses
-(`verl.workers.utils.losses.ppo_loss` / `value_loss`, i.e. `core_algos`).
+in, token out), so prompts, parsing, masks and rewards are the local backend's code. Log-probs, values and both
+PPO updates run inside verl's workers with verl's losses (`verl.workers.utils.losses.ppo_loss` / `value_loss`,
+i.e. `core_algos`).
 
 The engine's memory is handed back and forth as verl's trainer does: the first `generate` after training syncs
 the FSDP actor's weights into the engine and wakes it (`CheckpointEngineManager.update_weights`); the first
