@@ -59,7 +59,11 @@ def add_lora(model: nn.Module, model_cfg: DictConfig, value_model: bool) -> nn.M
         exclude = [VALUE_HEAD, *([exclude] if isinstance(exclude, str) else exclude or [])]
     config = LoraConfig(r=rank, lora_alpha=model_cfg.lora_alpha, target_modules=_names(model_cfg.target_modules),
                         exclude_modules=exclude, bias="none", task_type="TOKEN_CLS" if value_model else "CAUSAL_LM")
-    return get_peft_model(model, config)
+    try:
+        return get_peft_model(model, config)
+    except ValueError as err:  # e.g. a module name the model does not have: name our keys
+        key = "critic.model" if value_model else "actor_rollout_ref.model"
+        raise ValueError(f"{key}.target_modules / exclude_modules: {err}") from err
 
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:

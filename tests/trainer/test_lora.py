@@ -124,3 +124,9 @@ def test_lora_ppo_runs_resumes_and_its_merged_checkpoint_evaluates(ppo_config, t
     result = evaluate(prepare_eval_config(cfg, "_2_sokoban"))
     assert result["complete"] and result["num_trajectories"] == 4
     assert result["metrics"]["SimpleSokoban"]["response_length"] > 0
+
+
+def test_unknown_target_module_names_the_key(ppo_config, tiny_tokenizer):
+    cfg = ppo_config("_2_sokoban", "actor_rollout_ref.model.lora_rank=2", "actor_rollout_ref.model.target_modules=[qproj]")
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.model\.target_modules .*qproj"):
+        LocalBackend(cfg, tiny_tokenizer)
