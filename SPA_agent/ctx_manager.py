@@ -186,10 +186,25 @@ class ContextManager:
             "tags": object_array([c["tag"] for c in caches]),
             "seeds": np.array([c["seed"] for c in caches]),
             "messages_list": object_array([self.messages(c) for c in caches]),
+            "turn_states": object_array([turn_states(c) for c in caches]),
+            "turn_rewards": object_array([turn_rewards(c) for c in caches]),
         }
         metrics = aggregate_metrics([c["metrics"] for c in caches])
         metrics["response_length"] = float(tensors["response_mask"].sum(-1).mean())
         return tensors, non_tensors, metrics
+
+
+def turn_states(cache: Mapping) -> list[str]:
+    """The environment's render before each turn the model took (GiGPO's anchor states)."""
+    return [entry["state"] for entry in cache["history"] if "llm_response" in entry]
+
+
+def turn_rewards(cache: Mapping) -> list[float]:
+    """The environment reward of each turn the model took, the format penalty added to the last one."""
+    rewards = [float(entry["reward"]) for entry in cache["history"] if "llm_response" in entry]
+    if rewards:
+        rewards[-1] += cache["penalty"]
+    return rewards
 
 
 def object_array(items: list) -> np.ndarray:

@@ -8,7 +8,7 @@ Notation (spec §10.3, docs/interfaces.md "One rollout"):
 
 GAE, GRPO, RLOO, REINFORCE++ and the losses come from `verl.trainer.ppo.core_algos`; this module only adds the
 rollout filters (StarPO-S, zero-variance groups) and the bi-level GAE glue (turn-level GAE, then token-level
-GAE inside each turn). No models, no processes.
+GAE inside each turn); GiGPO's step-level grouping is in `gigpo.py`. No models, no processes.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from verl.trainer.ppo import core_algos
 from verl.utils import torch_functional as verl_F
 
 from SPA_agent.rewards import turn_ends
+from SPA_agent.trainer.gigpo import gigpo_advantages
 
 # --------------------------------------------------------------------------------------------------------
 # StarPO-S rollout filter (spec §10.3 step 2)
@@ -232,7 +233,7 @@ OUTCOME_ESTIMATORS: dict[str, bool] = {
     "reinforce_plus_plus_baseline": True,  # score − group mean, whitened over the batch
 }
 #: advantage estimators (`algorithm.adv_estimator`) -> whether they need a critic (values)
-ADV_ESTIMATORS: dict[str, bool] = {"gae": True, **{name: False for name in OUTCOME_ESTIMATORS}}
+ADV_ESTIMATORS: dict[str, bool] = {"gae": True, **{name: False for name in OUTCOME_ESTIMATORS}, "gigpo": False}
 
 
 def needs_critic(adv_estimator: str) -> bool:
@@ -293,9 +294,18 @@ def compute_advantages(
     estimator: str = "gae",
     group_ids: np.ndarray | None = None,
     norm_adv_by_std_in_grpo: bool = True,
+    turns: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(advantages, returns), both (B, T-1): verl's GAE, bi-level GAE when `bi_level`, or a critic-free
-    estimator of `OUTCOME_ESTIMATORS` (GRPO, RLOO, REINFORCE++, …; no values) over `group_ids`."""
+    """(advantages, returns), both (B, T-1): verl's GAE, bi-level GAE when `bi_level`, a critic-free
+    estimator of `OUTCOME_ESTIMATORS` (GRPO, RLOO, REINFORCE++, …; no values) over `group_ids`, or `gigpo`
+    (gigpo.py), which also reads `turns`: `turn_states`, `turn_rewards` (per trajectory, per turn),
+    `step_gamma` and `step_weight`."""
+    if estimator == "gigpo":
+        if turns is None or group_ids is None:
+            raise ValueError("algorithm.adv_estimator=gigpo needs the rollout's group ids, turn states and rewards")
+        return gigpo_advantages(token_level_rewards, mask, response_mask, group_ids, turns["turn_states"],
+                                turns["turn_rewards"], turns["step_gamma"], turns["step_weight"],
+                                norm_adv_by_std_in_grpo)
     if not needs_critic(estimator):
         return outcome_advantages(estimator, token_level_rewards, mask, group_ids, gamma, norm_adv_by_std_in_grpo)
     if bi_level:

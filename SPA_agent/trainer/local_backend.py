@@ -3,12 +3,13 @@
 Log-probs and values are computed in micro-batches over all T-1 positions; updates follow spec §10.3 steps 7–8
 with the losses of `verl.trainer.ppo.core_algos`. Gradients accumulate over the micro-batches of a mini-batch
 with the loss normalised by the mini-batch's token (or trajectory) count, so the update does not depend on
-the micro-batch size. Generation goes through the generator interface using the actor's current weights.
+the micro-batch size. Generation goes through the generator interface using the actor's current weights. With
+`<role>.model.lora_rank > 0` the actor and critic train LoRA adapters and the reference policy is the actor with
+its adapters disabled (`lora.py`).
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from verl.workers.config import ActorConfig
 
 from SPA_agent.tiny import resolve_model_path
 from SPA_agent.trainer import local_models as lm
+from SPA_agent.trainer import lora
 from SPA_agent.trainer.algos import needs_critic
 
 OPTIMIZER_FILE = "optimizer.pt"
@@ -47,9 +49,8 @@ class Trainable:
 
     @classmethod
     def build(cls, model: nn.Module, optim: DictConfig, grad_clip: float, total_steps: int) -> Trainable:
-        optimizer = torch.optim.AdamW(
-            model.parameters(), lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay
-        )
+        optimizer = torch.optim.AdamW(lora.trainable_parameters(model), lr=optim.lr, betas=tuple(optim.betas),
+                                      weight_decay=optim.weight_decay)
         warmup = optim.get("lr_warmup_steps") or -1
         if warmup < 0:
             warmup = int(optim.get("lr_warmup_steps_ratio", 0.0) * total_steps)
@@ -58,7 +59,7 @@ class Trainable:
 
     def clip_and_step(self) -> float:
         """Clip gradients, step the optimizer unless the norm is not finite, clear gradients; the norm."""
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(lora.trainable_parameters(self.model), self.grad_clip)
         if torch.isfinite(grad_norm):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -92,12 +93,13 @@ class LocalBackend:
         arr = cfg.actor_rollout_ref
         self.model_path = resolve_model_path(arr.model.path)
         total_steps = cfg.trainer.total_training_steps
-        actor = lm.load_actor(self.model_path, self.device, arr.model.enable_gradient_checkpointing)
-        self.actor = Trainable.build(actor, arr.actor.optim, arr.actor.grad_clip, total_steps)
+        self.actor = Trainable.build(self._load_actor(), arr.actor.optim, arr.actor.grad_clip, total_steps)
         self.critic = self._build_critic(cfg) if needs_critic(cfg.algorithm.adv_estimator) else None
         self.has_ref = bool(arr.actor.use_ref)
+        # with LoRA the reference is the actor with its adapters disabled: no second copy of the weights
         ref_device = torch.device("cpu") if arr.ref.offload_to_cpu else self.device
-        self.ref = lm.load_reference(self.model_path, ref_device) if self.has_ref else None
+        self.ref = lm.load_reference(self.model_path, ref_device) \
+            if self.has_ref and not lora.is_lora(self.actor.model) else None
         self.temperature = float(arr.rollout.temperature)
         self.policy_loss_fn = core_algos.get_policy_loss_fn(arr.actor.policy_loss.loss_mode)
         self.policy_loss_cfg = ActorConfig(
@@ -109,13 +111,26 @@ class LocalBackend:
         self._generator = None
         self._rollout_model: nn.Module | None = None
 
+    def _load_actor(self) -> nn.Module:
+        """The policy from `model.path`, wrapped with LoRA adapters when `model.lora_rank > 0`."""
+        model_cfg = self.cfg.actor_rollout_ref.model
+        actor = lm.load_actor(self.model_path, self.device, model_cfg.enable_gradient_checkpointing)
+        return lora.add_lora(actor, model_cfg, value_model=False)
+
+    def _load_critic(self) -> nn.Module:
+        """The value model from `critic.model.path` (LoRA adapters when `critic.model.lora_rank > 0`); its value
+        head's init depends on trainer.seed only."""
+        model_cfg = self.cfg.critic.model
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.cfg.trainer.seed)
+            critic = lm.load_critic(resolve_model_path(model_cfg.path), self.device,
+                                    model_cfg.enable_gradient_checkpointing)
+            return lora.add_lora(critic, model_cfg, value_model=True)
+
     def _build_critic(self, cfg: DictConfig) -> Trainable:
         critic_cfg = cfg.critic
-        with torch.random.fork_rng(devices=[]):  # the value head's init depends on trainer.seed only
-            torch.manual_seed(cfg.trainer.seed)
-            critic = lm.load_critic(resolve_model_path(critic_cfg.model.path), self.device,
-                                    critic_cfg.model.enable_gradient_checkpointing)
-        return Trainable.build(critic, critic_cfg.optim, critic_cfg.grad_clip, cfg.trainer.total_training_steps)
+        return Trainable.build(self._load_critic(), critic_cfg.optim, critic_cfg.grad_clip,
+                               cfg.trainer.total_training_steps)
 
     def _trainables(self) -> dict[str, Trainable]:
         """The trained models by checkpoint role: actor, and critic when the estimator has one."""
@@ -128,15 +143,18 @@ class LocalBackend:
         """The configured generator (`generator` config group) over the actor's weights; built on first use.
 
         On GPU `hf` samples from a bf16 copy of the actor (refreshed after every update), so decoding runs in
-        bf16 with the generator's own KV caches; on CPU it samples from the float32 actor itself.
+        bf16 with the generator's own KV caches; on CPU it samples from the float32 actor itself. With LoRA the
+        copy is a plain model holding the merged weights, and on CPU the adapted model samples.
         """
         if self._generator is None:
             from SPA_agent.generators import build_generator
 
+            actor = self.actor.model
             if self.device.type == "cuda" and self.cfg.generator.name == "hf":
-                self._rollout_model = copy.deepcopy(self.actor.model).to(torch.bfloat16).eval().requires_grad_(False)
-            model = self._rollout_model if self._rollout_model is not None else self.actor.model
+                self._rollout_model = lm.rollout_copy(actor, torch.bfloat16)
+            model = self._rollout_model if self._rollout_model is not None else lora.adapted_model(actor)
             self._generator = build_generator(self.cfg.generator, self.model_path, self.tokenizer, model=model)
+            self._refresh_generator_weights()  # e.g. a resumed actor's weights into an engine built from model_path
         return self._generator
 
     def generate(self, prompts: list) -> list:
@@ -145,13 +163,13 @@ class LocalBackend:
 
     @torch.no_grad()
     def _refresh_generator_weights(self) -> None:
-        """Copies of the weights held for generation (bf16 rollout model, vLLM engine) get the actor's."""
+        """Copies of the weights held for generation (bf16 rollout model, vLLM engine) get the actor's (merged
+        with its adapters under LoRA)."""
         if self._rollout_model is not None:
-            for rollout_param, actor_param in zip(self._rollout_model.parameters(), self.actor.model.parameters()):
-                rollout_param.copy_(actor_param)
+            lm.copy_weights(self._rollout_model, lora.generation_weights(self.actor.model))
         update = getattr(self._generator, "update_weights", None)
         if update is not None:
-            update(self.actor.model.named_parameters())
+            update(lora.generation_weights(self.actor.model))
 
     # ---------------------------------------------------------------- inference passes
 
@@ -173,10 +191,14 @@ class LocalBackend:
         return DataProto.from_dict(tensors={"old_log_probs": log_probs, "entropys": entropy})
 
     def compute_ref_log_prob(self, batch: DataProto) -> DataProto:
-        if self.ref is None:
+        if not self.has_ref:
             raise ValueError("no reference model: set actor_rollout_ref.actor.use_ref=True")
         micro = self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
-        log_probs, _ = self._log_probs(self.ref, batch, micro, with_entropy=False)
+        if self.ref is not None:
+            log_probs, _ = self._log_probs(self.ref, batch, micro, with_entropy=False)
+        else:  # LoRA: the base model is the actor without its adapters
+            with self.actor.model.disable_adapter():
+                log_probs, _ = self._log_probs(self.actor.model, batch, micro, with_entropy=False)
         return DataProto.from_dict(tensors={"ref_log_prob": log_probs})
 
     @torch.no_grad()
@@ -266,17 +288,22 @@ class LocalBackend:
     # ---------------------------------------------------------------- checkpoints
 
     def save(self, directory: Path) -> None:
+        """`<role>/`: Hugging Face model (merged under LoRA, plus `adapter/`), tokenizer, optimizer state."""
         for role, trainable in self._trainables().items():
             target = Path(directory) / role
-            trainable.model.save_pretrained(target)
+            lora.save_merged(trainable.model, target)
             self.tokenizer.save_pretrained(target)
             torch.save(trainable.state_dict(), target / OPTIMIZER_FILE)
 
     def load(self, directory: Path) -> None:
+        """Restore weights (LoRA: the adapters, the base being `<role>.model.path`) and optimizer states."""
         loaders = {"actor": lambda p: lm.load_actor(p, torch.device("cpu"), False),
                    "critic": lambda p: lm.load_critic(p, torch.device("cpu"), False)}
         for role, trainable in self._trainables().items():
             source = Path(directory) / role
-            trainable.model.load_state_dict(loaders[role](str(source)).state_dict())
+            if lora.is_lora(trainable.model):
+                lora.load_adapter(trainable.model, source)
+            else:
+                trainable.model.load_state_dict(loaders[role](str(source)).state_dict())
             trainable.load_state_dict(torch.load(source / OPTIMIZER_FILE, map_location=self.device))
         self._refresh_generator_weights()

@@ -7,12 +7,15 @@ Shapes: b trajectories in a micro-batch, T tokens per row; outputs are (b, T-1),
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import copy
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
 from verl import DataProto
 from verl.utils import torch_functional as verl_F
+
+from SPA_agent.trainer import lora
 
 #: batch keys a forward pass reads
 MODEL_INPUT_KEYS = ("input_ids", "attention_mask", "position_ids")
@@ -57,6 +60,34 @@ def load_reference(path: str, device: torch.device) -> nn.Module:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     model.requires_grad_(False)
     return model
+
+
+def rollout_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A frozen copy of the policy in `dtype` to generate with. Of a LoRA model, a plain model of the same
+    architecture (and generation config) without adapters, to be filled with merged weights by `copy_weights`."""
+    if not lora.is_lora(model):
+        return copy.deepcopy(model).to(dtype).eval().requires_grad_(False)
+    from transformers import AutoModelForCausalLM
+
+    base = model.get_base_model()
+    with torch.device(next(base.parameters()).device):
+        plain = AutoModelForCausalLM.from_config(base.config, dtype=dtype)
+    plain.generation_config = copy.deepcopy(base.generation_config)
+    return plain.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def copy_weights(target: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy (Hugging Face name, tensor) pairs (`lora.generation_weights`) into `target`'s parameters, one at a
+    time; names `target` does not hold as parameters (a tied head) are skipped, and every parameter must come."""
+    params = dict(target.named_parameters())
+    missing = set(params)
+    for name, value in weights:
+        if name in params:
+            params[name].copy_(value)
+            missing.discard(name)
+    if missing:
+        raise ValueError(f"no weights for {sorted(missing)[:3]} (of {len(missing)})")
 
 
 def _set_gradient_checkpointing(model: nn.Module, enabled: bool) -> None:

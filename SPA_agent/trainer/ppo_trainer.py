@@ -148,7 +148,7 @@ class PPOTrainer:
             t["token_level_rewards"], t.get("values"), t["response_mask"], t["assistant_mask"],
             gamma=algo.gamma, lam=algo.lam, bi_level=algo.bi_level_gae, high_level_gamma=algo.high_level_gamma,
             estimator=algo.adv_estimator, group_ids=batch.non_tensor_batch.get("group_ids"),
-            norm_adv_by_std_in_grpo=algo.get("norm_adv_by_std_in_grpo", True),
+            norm_adv_by_std_in_grpo=algo.get("norm_adv_by_std_in_grpo", True), turns=_turns(batch, algo),
         )
         return metrics
 
@@ -191,6 +191,14 @@ class PPOTrainer:
         self.logger.truncate_after(step)
         tqdm.write(f"resumed from {checkpoint.step_dir(self.output_dir, step)}")
         return step
+
+
+def _turns(batch: DataProto, algo: DictConfig) -> dict | None:
+    """What GiGPO's step-level grouping reads (None for the other estimators)."""
+    if algo.adv_estimator != "gigpo":
+        return None
+    return {"turn_states": batch.non_tensor_batch["turn_states"], "turn_rewards": batch.non_tensor_batch["turn_rewards"],
+            "step_gamma": algo.step_gamma, "step_weight": algo.step_weight}
 
 
 def _check_groups_are_consecutive(batch: DataProto, group_size: int) -> None:

@@ -1,12 +1,13 @@
 """`verl` backend: verl's Ray/FSDP engine workers and its vLLM/SGLang server rollout behind our WorkerGroup protocol.
 
 Placement (spec §10.4): one Ray resource pool of `trainer.n_gpus_per_node × trainer.nnodes` GPUs holding one
-colocated worker per GPU: verl's `ActorRolloutRefWorker` (FSDP actor, frozen reference when `use_ref`, and the
-rollout engine sharing the GPU: the hybrid engine) and a `TrainingWorker` value model (the critic). The rollout
-engine runs verl's server mode; our driver's LLMAgentProxy keeps the multi-turn loop and sends each turn's prompt
-ids through verl's `LLMServerClient` (token in, token out), so prompts, parsing, masks and rewards are the local
-backend's code. Log-probs, values and both PPO updates run inside verl's workers with verl's losses
-(`verl.workers.utils.losses.ppo_loss` / `value_loss`, i.e. `core_algos`).
+colocated worker per GPU: verl's `ActorRolloutRefWorker` (FSDP actor, frozen reference when `use_ref` — with a
+LoRA actor, the actor with its adapters disabled — and the rollout engine sharing the GPU: the hybrid engine) and
+a `TrainingWorker` value model (the critic). The rollout engine runs verl's server mode; our driver's
+LLMAgentProxy keeps the multi-turn loop and sends each turn's prompt ids through verl's `LLMServerClient` (token
+in, token out), so prompts, parsing, masks and rewards are the local backend's code. Log-probs, values and both
+PPO updates run inside verl's workers with verl's losses (`verl.workers.utils.losses.ppo_loss` / `value_loss`,
+i.e. `core_algos`).
 
 The engine's memory is handed back and forth as verl's trainer does: the first `generate` after training syncs
 the FSDP actor's weights into the engine and wakes it (`CheckpointEngineManager.update_weights`); the first
@@ -157,10 +158,12 @@ class VerlBackend:
         self.verl_cfg = build_verl_config(cfg)
         check_verl_config(cfg, self.verl_cfg)
         self.has_ref = bool(cfg.actor_rollout_ref.actor.use_ref)
+        # with a LoRA actor the reference is the actor with its adapters disabled (verl's `ref_in_actor`)
+        self.ref_in_actor = cfg.actor_rollout_ref.model.lora_rank > 0
         self.temperature = float(cfg.actor_rollout_ref.rollout.temperature)
         self.sampling = self._sampling_params()
         start_ray(cfg.verl_backend, self.verl_cfg)
-        self.workers = VerlWorkers(self.verl_cfg, self.has_ref)
+        self.workers = VerlWorkers(self.verl_cfg, self.has_ref and not self.ref_in_actor)
         self._rollout_awake = False
         self._actor_updates = 0
 
@@ -222,8 +225,9 @@ class VerlBackend:
             raise ValueError("no reference model: set actor_rollout_ref.actor.use_ref=True")
         self._sleep_rollout()
         data = vl.worker_input(batch, ("response_mask",), temperature=self.temperature, calculate_entropy=False,
-                               compute_loss=False)
-        output = self.workers.actor.compute_ref_log_prob(data)
+                               compute_loss=False, **({"no_lora_adapter": True} if self.ref_in_actor else {}))
+        group = self.workers.actor
+        output = group.compute_log_prob(data) if self.ref_in_actor else group.compute_ref_log_prob(data)
         return DataProto.from_dict(tensors={"ref_log_prob": self._token_output(output, data, batch, "log_probs")})
 
     def compute_values(self, batch: DataProto) -> DataProto:

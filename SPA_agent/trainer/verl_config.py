@@ -26,8 +26,12 @@ ROLLOUT_ENGINES = ("vllm", "sglang")
 
 _ACTOR, _ROLLOUT, _CRITIC = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "critic"
 
+#: LoRA settings of a model (actor_rollout_ref.model, critic.model): the same keys in both configs
+LORA_KEYS = ("lora_rank", "lora_alpha", "target_modules", "exclude_modules")
+
 #: (our key, verl key): values copied unchanged
 COPIED: tuple[tuple[str, str], ...] = (
+    *((f"{model}.{k}",) * 2 for model in ("actor_rollout_ref.model", f"{_CRITIC}.model") for k in LORA_KEYS),
     *((f"actor_rollout_ref.model.{k}",) * 2 for k in ("enable_gradient_checkpointing",)),
     *((f"{_ACTOR}.{k}",) * 2 for k in (
         "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "shuffle", "grad_clip", "clip_ratio",
@@ -117,6 +121,8 @@ def _derived(cfg: DictConfig) -> dict[str, object]:
         # the driver recomputes old log-probs with the actor; the engine need not return its own
         f"{_ROLLOUT}.calculate_log_probs": False,
         f"{_ROLLOUT}.n": 1,
+        # a LoRA actor's weights reach the engine merged into the base ones (no adapter support needed there)
+        "actor_rollout_ref.model.lora.merge": cfg.actor_rollout_ref.model.lora_rank > 0,
         "trainer.device": "cuda",
         "trainer.logger": ["console"],
     }

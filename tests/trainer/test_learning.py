@@ -36,6 +36,7 @@ VARIANTS = {
     "reinforce_plus_plus_baseline": ["algorithm.adv_estimator=reinforce_plus_plus_baseline"],
     "dr_grpo": ["+algo=dr_grpo"],
     "dapo": ["+algo=dapo"],
+    "gigpo": ["algorithm.adv_estimator=gigpo"],
 }
 
 

@@ -64,6 +64,20 @@ def test_model_paths_resolve_and_verl_loads_the_model_config(configs):
     assert model.hf_config.model_type == "qwen2" and model.tokenizer.eos_token == "<|im_end|>"
 
 
+def test_lora_settings_reach_verls_actor_and_critic_model_configs():
+    """The same keys drive both backends; a LoRA actor syncs merged weights to the engine."""
+    from SPA_agent.config import compose
+
+    lora = ("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=32",
+            "actor_rollout_ref.model.target_modules=[q_proj,v_proj]", "critic.model.lora_rank=4")
+    verl_cfg = vc.build_verl_config(compose("_2_sokoban", ["model=tiny", *OVERRIDES, *lora]))
+    actor = omega_conf_to_dataclass(verl_cfg.actor_rollout_ref.model)
+    assert (actor.lora_rank, actor.lora_alpha, list(actor.target_modules)) == (8, 32, ["q_proj", "v_proj"])
+    assert verl_cfg.actor_rollout_ref.model.lora.merge is True
+    critic = omega_conf_to_dataclass(verl_cfg.critic)
+    assert (critic.model.lora_rank, critic.model.lora_alpha, critic.model.target_modules) == (4, 16, "all-linear")
+
+
 def test_workers_see_the_filtered_batch(configs):
     cfg, verl_cfg = configs
     # model=tiny: 4 groups × 2, filter ratio 0.5 -> 2 groups -> 4 trajectories
