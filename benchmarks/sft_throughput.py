@@ -13,7 +13,7 @@ Prints one JSON line per variant: useful (non-padding) tokens/s (median over tim
 MFU = useful tokens/s × FLOPs per useful token / peak. FLOPs per token: 6 × (non-embedding parameters +
 hidden × vocab for the output projection) plus causal attention 6 × layers × hidden × (row length) averaged
 per token; peak = 989 TFLOP/s (H100/H200 SXM dense bf16). This counts the output projection at every token,
-but the loss projects only the trained positions (the response, ~15% of an SPA row), so `mfu_trained_logits`
+but the loss projects only the trained positions (the response, ~13% of these rows' tokens), so `mfu_trained_logits`
 also reports MFU with the projection counted where it is computed (6 × hidden × vocab per trained token).
 
 `--liger both` measures every variant with the plain modules first, then with Liger's kernels (Liger swaps RoPE

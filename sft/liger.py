@@ -22,9 +22,9 @@ PATCHES = {"qwen2": "apply_liger_kernel_to_qwen2", "llama": "apply_liger_kernel_
 INSTALL_HINT = "pip install -e '.[liger]'"
 #: Liger splits the positions into chunks of about chunk_mem_const × hidden / vocab rows (next power of two) and
 #: reads the whole output projection once per chunk. Its default (1) suits a loss over every position; we pass only
-#: the trained ones (about 15% of a packed SPA row), where it would make chunks of ~32 rows for Qwen2.5-1.5B and
-#: re-read the 151,936 × 1,536 projection ~80 times per micro-batch. 32 makes ~1,000-row chunks (~0.3 GB of bf16
-#: logits per chunk at that vocabulary).
+#: the trained ones (~2,100 of a 16,384-token packed micro-batch of SPA-shaped rows), where it would make chunks of
+#: 32 rows for Qwen2.5-1.5B and re-read the 151,936 × 1,536 projection ~65 times per micro-batch. 32 makes chunks
+#: of 1,024 rows (0.3 GB of bf16 logits each at that vocabulary).
 CHUNK_MEM_CONST = 32
 
 
