@@ -141,6 +141,38 @@ def test_fused_loss_and_grads_equal_the_plain_path(model_name, layout, tiny_dir,
 
 
 @GPU_AND_LIGER
+def test_fused_loss_with_lora_equals_the_plain_path(tiny_dir, restore_transformers_modules):
+    """Liger patches the base model, PEFT wraps it (the trainer's order): the adapters get the same gradients."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from sft.fsdp_model import add_lora
+    from sft.liger import apply_liger, fused_token_loss_sum
+
+    batch = {k: v.cuda() for k, v in collate_packed(_samples(), pad_id=0).items()}
+    lora = SimpleNamespace(lora_rank=4, lora_alpha=8, target_modules="all-linear")
+    results = []
+    for liger in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
+        if liger:
+            apply_liger(model)
+        torch.manual_seed(0)  # same adapter initialisation
+        model = add_lora(model, lora).cuda()
+        with torch.no_grad():  # B starts at zero: make the adapters matter
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0, 0.02, generator=torch.Generator(param.device).manual_seed(len(name)))
+        loss = (fused_token_loss_sum if liger else token_loss_sum)(model, batch)
+        loss.backward()
+        grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.requires_grad])
+        results.append((loss.item(), grads))
+    (loss, grads), (fused_loss, fused_grads) = results
+    assert fused_loss == pytest.approx(loss, rel=1e-2)
+    assert (fused_grads - grads).norm() / grads.norm() < 3e-2
+
+
+@GPU_AND_LIGER
 def test_trainer_with_liger_follows_the_plain_run(tmp_path, restore_transformers_modules):
     """Three FSDP2 steps (bf16 mixed precision) on the tiny model: same losses and grad norms within bf16 noise."""
     data = tmp_path / "data"
