@@ -58,8 +58,10 @@ from SPA_agent.tiny import resolve_model_path
 FLEX_PAD_MULTIPLE = 512
 # Per split: rows, longest row, rows truncated and tokens cut (SpaSftDataset.truncation_report).
 TRUNCATION_FILE = "truncation.json"
-#: config keys that do not change the trained weights (data and model enter the run identity by checksum)
+#: config keys that do not change the trained weights (data and model enter the run identity by checksum;
+#: model.use_liger only swaps kernels for the same loss, so a run may resume with it switched)
 IDENTITY_IGNORED = ("data.train_files", "data.val_files", "data.require_data_card", "model.partial_pretrain",
+                    "model.use_liger",
                     "trainer.default_local_dir", "trainer.project_name", "trainer.experiment_name", "trainer.logger",
                     "trainer.resume", "trainer.save_freq", "trainer.max_ckpt_to_keep", "trainer.preflight_nproc",
                     "trainer.wandb_mode")

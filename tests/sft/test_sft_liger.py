@@ -49,6 +49,19 @@ def test_preflight_checks_the_switch_before_reading_data(tmp_path):
     assert compose([]).model.use_liger is False  # off by default
 
 
+def test_a_run_may_resume_with_the_switch_flipped():
+    """Same loss, other kernels: model.use_liger is not part of the run identity (attn_implementation is)."""
+    from omegaconf import OmegaConf
+
+    from sft.spa_sft_trainer import IDENTITY_IGNORED
+    from SPA_agent.run_identity import build_identity
+
+    identity = lambda *o: build_identity(OmegaConf.to_container(compose(["data.train_files=x", *o])), {},
+                                         IDENTITY_IGNORED).config
+    assert identity("model.use_liger=true") == identity("model.use_liger=false")
+    assert identity("model.attn_implementation=sdpa") != identity("model.attn_implementation=eager")
+
+
 @pytest.mark.skipif(not HAS_LIGER, reason="needs liger-kernel")
 def test_apply_liger_patches_the_instance(tiny_model_copy):
     """The patch calls of the installed liger-kernel (runs on CPU: only the kernels need a GPU)."""
