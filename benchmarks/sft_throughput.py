@@ -17,7 +17,9 @@ but the loss projects only the trained positions (the response, ~13% of these ro
 also reports MFU with the projection counted where it is computed (6 × hidden × vocab per trained token).
 
 `--liger both` measures every variant with the plain modules first, then with Liger's kernels (Liger swaps RoPE
-process-wide, so plain runs must come first).
+process-wide, so plain runs must come first). `first_step_s` is the first (untimed) step, flex attention's compile
+included: it uses the persistent compile cache (SPA_agent/compile_cache.py) like the trainer, so a second run of
+the script on the same machine shows the warm-cache figure.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from sft.packing import (
     token_loss_sum,
 )
 from sft.spa_sft_dataset import SftSample
+from SPA_agent.compile_cache import use_persistent_compile_cache
 
 PEAK_FLOPS = 989e12
 
@@ -109,7 +112,7 @@ def measure(name, cfg, attn, rows, make_plan, pad_to, packed_pad, args, device, 
     model = build(cfg, attn, device, liger)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.01)
     loss_sum = (lambda m, b: fused_token_loss_sum(m, b, args.liger_chunk_mem_const)) if liger else token_loss_sum
-    times, tokens, flops, trained_flops = [], [], [], []
+    times, tokens, flops, trained_flops, first_step = [], [], [], [], None
     for k in range(args.warmup + args.steps):
         batch_rows = rows[(k * args.batch) % len(rows):][:args.batch]
         plan = make_plan(list(range(len(batch_rows))), [len(r) for r in batch_rows])
@@ -119,6 +122,8 @@ def measure(name, cfg, attn, rows, make_plan, pad_to, packed_pad, args, device, 
         step(model, optimizer, batch_rows, plan, pad_to, packed_pad, device, loss_sum)
         if device.type == "cuda":
             torch.cuda.synchronize()
+        if k == 0:
+            first_step = time.perf_counter() - start
         if k >= args.warmup:
             times.append(time.perf_counter() - start)
             tokens.append(sum(len(r) for r in batch_rows))
@@ -130,7 +135,7 @@ def measure(name, cfg, attn, rows, make_plan, pad_to, packed_pad, args, device, 
     result = {"metric": "sft_useful_tokens_per_s", "variant": name, "attn": attn, "liger": liger,
               "median": statistics.median(rates), "min": min(rates), "max": max(rates), "unit": "tokens/s",
               "mfu": statistics.median(mfu), "mfu_trained_logits": statistics.median(mfu_trained),
-              "step_s": statistics.median(times), "steps": args.steps,
+              "step_s": statistics.median(times), "steps": args.steps, "first_step_s": first_step,
               "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
     print(json.dumps(result), flush=True)
     del model, optimizer
@@ -154,6 +159,7 @@ def main() -> None:
     parser.add_argument("--liger-chunk-mem-const", type=int, default=CHUNK_MEM_CONST,
                         help="Liger fused cross-entropy chunking (larger = fewer, bigger chunks)")
     args = parser.parse_args()
+    use_persistent_compile_cache()
     from transformers import Qwen2Config
 
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
