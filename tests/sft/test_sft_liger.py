@@ -154,6 +154,19 @@ def test_fused_loss_and_grads_equal_the_plain_path(model_name, layout, tiny_dir,
 
 
 @GPU_AND_LIGER
+def test_an_empty_micro_batch_gives_zero_loss_and_gradients(tiny_model_copy):
+    """Ranks with fewer micro-batches get empty ones (one untrained pad token) and still run forward/backward."""
+    from sft.liger import apply_liger, fused_token_loss_sum
+
+    model = tiny_model_copy.to(torch.bfloat16).cuda()
+    apply_liger(model)
+    loss = fused_token_loss_sum(model, {k: v.cuda() for k, v in collate_packed([], pad_id=0).items()})
+    loss.backward()
+    assert loss.item() == 0.0
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+
+
+@GPU_AND_LIGER
 def test_fused_loss_with_lora_equals_the_plain_path(tiny_dir, restore_transformers_modules):
     """Liger patches the base model, PEFT wraps it (the trainer's order): the adapters get the same gradients."""
     from types import SimpleNamespace
