@@ -75,6 +75,42 @@ def test_apply_liger_patches_the_instance(tiny_model_copy):
     assert model.forward.__func__.__module__ == "liger_kernel.transformers.model.qwen2"
 
 
+@pytest.mark.skipif(not HAS_LIGER, reason="needs liger-kernel")
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_fused_loss_wiring_on_cpu(layout, tiny_dir, monkeypatch, restore_transformers_modules):
+    """Liger's own forward and loss plumbing on CPU, only its Triton kernel replaced by what it computes
+    (cross-entropy of x @ W^T): our positions, shifted labels, "sum" reduction and chunking reach it, and loss and
+    gradients equal the plain path's exactly. The kernel itself is compared on the GPU below."""
+    import liger_kernel.transformers.functional as liger_functional
+    from transformers import AutoModelForCausalLM
+
+    from sft.liger import CHUNK_MEM_CONST, fused_token_loss_sum
+
+    calls = []
+
+    def kernel_definition(input, weight, target, ignore_index=-100, reduction="mean", chunk_mem_const=1,
+                          softcap=None, **flags):  # flags: accumulation dtype, accuracy outputs (all off)
+        assert softcap is None and not any(flags.values())
+        calls.append((input.shape[0], reduction, chunk_mem_const))
+        return torch.nn.functional.cross_entropy((input @ weight.t()).float(), target, ignore_index=ignore_index,
+                                                 reduction=reduction)
+
+    monkeypatch.setattr(liger_functional, "liger_fused_linear_cross_entropy", kernel_definition)
+    samples = _samples()
+    batch = collate_packed(samples, pad_id=0) if layout == "packed" else collate_padded(samples, pad_id=0)
+    plain, fused = (AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32) for _ in range(2))
+    import liger_kernel.transformers as liger
+
+    liger.apply_liger_kernel_to_qwen2(rope=False, rms_norm=False, swiglu=False, model=fused)  # only the loss path
+    loss, grads = _loss_and_grads(plain, token_loss_sum, batch)
+    fused_loss, fused_grads = _loss_and_grads(fused, fused_token_loss_sum, batch)
+    trained = sum(int(s.loss_mask[1:].sum()) for s in samples)
+    kept_rows = trained if layout == "packed" else len(samples) * int(batch["labels"].ne(IGNORE_INDEX).any(0).sum())
+    assert calls == [(kept_rows, "sum", CHUNK_MEM_CONST)]
+    assert fused_loss.item() == pytest.approx(loss.item(), rel=1e-6)
+    torch.testing.assert_close(fused_grads, grads, rtol=1e-5, atol=1e-6)
+
+
 # ---------------------------------------------------------------- GPU: liger path == plain path
 
 
