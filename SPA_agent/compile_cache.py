@@ -3,8 +3,8 @@ built once per machine rather than once per run.
 
 torch keeps Inductor's compiled graphs (FX graph cache), AOTAutograd's forward/backward graphs (autograd cache)
 and the Triton kernels they build under `TORCHINDUCTOR_CACHE_DIR`, whose default is a folder under the system's
-temporary directory (often cleared at reboot, and private to a container). `use_persistent_compile_cache` points
-it at the user's cache directory instead and turns both caches on, unless the user set these variables.
+temporary directory (often cleared at reboot). `use_persistent_compile_cache` points it at the user's cache
+directory instead (when that can be created) and turns both caches on, unless the user set these variables.
 Dynamo's Python tracing still runs in every process; the cache skips the code generation, Triton compilation and
 autotuning behind it. docs/sft.md says how to move or clear it.
 """
@@ -24,12 +24,16 @@ def default_cache_dir() -> Path:
     return Path(base) / "spa_agent" / "inductor"
 
 
-def use_persistent_compile_cache() -> Path:
-    """Set the cache variables the user has not set (call before the first torch.compile); create and return the
-    folder."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(default_cache_dir()))
+def use_persistent_compile_cache() -> Path | None:
+    """Set the cache variables the user has not set (call before the first torch.compile); returns the cache
+    folder, or None where the default folder cannot be created (torch's own default is kept then)."""
     for name, value in DEFAULT_SWITCHES.items():
         os.environ.setdefault(name, value)
-    folder = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        folder = default_cache_dir()
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError:  # e.g. a read-only home directory
+            return None
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+    return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])

@@ -45,6 +45,13 @@ def test_user_values_are_kept(clean_env, tmp_path):
     assert [os.environ[name] for name in VARIABLES] == [str(tmp_path / "mine"), "0", "0"]
 
 
+def test_an_unusable_home_keeps_torch_default(clean_env, tmp_path):
+    (tmp_path / "file").write_text("")
+    clean_env.setenv("HOME", str(tmp_path / "file"))  # ~/.cache cannot be created under a file
+    assert use_persistent_compile_cache() is None
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+
+
 def test_torch_uses_the_folder(clean_env, tmp_path):
     """Inductor's own lookup (what its FX graph, autograd and Triton caches write under) returns our folder."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
