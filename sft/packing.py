@@ -116,6 +116,12 @@ def count_loss_tokens(batch: dict[str, torch.Tensor]) -> int:
     return int((batch["labels"] != IGNORE_INDEX).sum())
 
 
+def labelled_positions(labels: torch.Tensor) -> torch.Tensor:
+    """(K,) positions that some row of `labels` (B, T) labels; position 0 alone when none does."""
+    keep = (labels != IGNORE_INDEX).any(dim=0).nonzero().squeeze(-1)
+    return keep if keep.numel() else torch.zeros(1, dtype=torch.long, device=labels.device)
+
+
 def token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Summed cross-entropy (a scalar) over the labelled positions of one micro-batch.
 
@@ -123,9 +129,7 @@ def token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> to
     vocabulary projection. batch: input_ids, position_ids, labels (B, T) and optionally attention_mask (B, T).
     """
     labels = batch["labels"]
-    keep = (labels != IGNORE_INDEX).any(dim=0).nonzero().squeeze(-1)  # (K,) positions labelled in some row
-    if keep.numel() == 0:
-        keep = torch.zeros(1, dtype=torch.long, device=labels.device)
+    keep = labelled_positions(labels)
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     logits = model(**inputs, use_cache=False, logits_to_keep=keep).logits  # (B, K, V)
     targets = labels[:, keep]

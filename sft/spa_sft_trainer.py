@@ -36,6 +36,7 @@ from sft.fsdp_model import (
     shard,
     trainable_state_dict,
 )
+from sft.liger import apply_liger, check_liger, fused_token_loss_sum
 from sft.loss_targets import LossTarget, prepare_tokenizer
 from sft.packing import (
     collate_packed,
@@ -48,6 +49,7 @@ from sft.packing import (
 from sft.spa_sft_dataset import SpaSftDataset
 from sft.tracking import MetricsLogger
 from SPA_agent import atomic_io, run_identity
+from SPA_agent.compile_cache import use_persistent_compile_cache
 from SPA_agent.datagen_card import check_dataset_complete
 from SPA_agent.dir_lock import DirLock, check_unlocked, check_writable
 from SPA_agent.progress import progress_bar
@@ -56,8 +58,10 @@ from SPA_agent.tiny import resolve_model_path
 FLEX_PAD_MULTIPLE = 512
 # Per split: rows, longest row, rows truncated and tokens cut (SpaSftDataset.truncation_report).
 TRUNCATION_FILE = "truncation.json"
-#: config keys that do not change the trained weights (data and model enter the run identity by checksum)
+#: config keys that do not change the trained weights (data and model enter the run identity by checksum;
+#: model.use_liger only swaps kernels for the same loss, so a run may resume with it switched)
 IDENTITY_IGNORED = ("data.train_files", "data.val_files", "data.require_data_card", "model.partial_pretrain",
+                    "model.use_liger",
                     "trainer.default_local_dir", "trainer.project_name", "trainer.experiment_name", "trainer.logger",
                     "trainer.resume", "trainer.save_freq", "trainer.max_ckpt_to_keep", "trainer.preflight_nproc",
                     "trainer.wandb_mode")
@@ -115,8 +119,10 @@ class SftTrainer:
         writer, same run identity when resuming) without process groups, a model or any write."""
         self._check_batch_sizes()
         wanted = self.cfg.trainer.device
-        check_attention(self.cfg, torch.cuda.is_available() if wanted == "auto" else wanted == "cuda")
+        use_cuda = torch.cuda.is_available() if wanted == "auto" else wanted == "cuda"
+        check_attention(self.cfg, use_cuda)
         self.model_path = resolve_model_path(self.cfg.model.partial_pretrain)
+        self._check_liger(use_cuda)
         self._build_data()
         self._check_output_dir()
 
@@ -219,9 +225,23 @@ class SftTrainer:
         total = self.steps_per_epoch * self.cfg.trainer.total_epochs
         self.total_steps = min(total, self.cfg.trainer.total_training_steps or total)
 
+    def _check_liger(self, use_cuda: bool) -> None:
+        """With model.use_liger: the model type (read from its config.json), the GPU and the package."""
+        if not self.cfg.model.use_liger:
+            return
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(self.model_path, trust_remote_code=self.cfg.model.trust_remote_code)
+        check_liger(config.model_type, use_cuda)
+
     def _build_model(self) -> None:
         mcfg = self.cfg.model
-        model = add_lora(load_model(self.model_path, mcfg, len(self.tokenizer)), mcfg)
+        self._check_liger(self.device.type == "cuda")
+        model = load_model(self.model_path, mcfg, len(self.tokenizer))
+        if mcfg.use_liger:
+            apply_liger(model)
+        self.loss_sum = fused_token_loss_sum if mcfg.use_liger else token_loss_sum
+        model = add_lora(model, mcfg)
         self.lora_scale = mcfg.lora_alpha / mcfg.lora_rank if mcfg.lora_rank > 0 else None
         self.model = shard(model, self.mesh, bf16=self.device.type == "cuda")
 
@@ -322,7 +342,7 @@ class SftTrainer:
         scale = self.world_size / max(n_loss, 1)
         loss_sum = torch.zeros((), device=self.device)
         for batch in batches[self.rank]:
-            loss = token_loss_sum(self.model, {k: v.to(self.device) for k, v in batch.items()})
+            loss = self.loss_sum(self.model, {k: v.to(self.device) for k, v in batch.items()})
             (loss * scale).backward()
             loss_sum += loss.detach()
         lr = self.scheduler.get_last_lr()[0]
@@ -354,7 +374,7 @@ class SftTrainer:
         totals = torch.zeros(2, device=self.device, dtype=torch.float64)
         for micro in plan[self.rank]:
             batch = self._collate(micro, self.val_data)
-            totals[0] += token_loss_sum(self.model, {k: v.to(self.device) for k, v in batch.items()}).double()
+            totals[0] += self.loss_sum(self.model, {k: v.to(self.device) for k, v in batch.items()}).double()
             totals[1] += count_loss_tokens(batch)
         dist.all_reduce(totals)
         return (totals[0] / totals[1].clamp(min=1)).item()
@@ -426,6 +446,7 @@ def main(cfg: DictConfig) -> None:
     with open_dict(cfg):
         cfg.trainer.wandb_mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
     preflight = cfg.trainer.get("preflight_nproc")
+    use_persistent_compile_cache()
     trainer = SftTrainer(cfg, rank, preflight or world, local_rank, init_method)
     try:
         if preflight:

@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from SPA_agent import run_identity
 from SPA_agent.atomic_io import write_text
+from SPA_agent.compile_cache import use_persistent_compile_cache
 from SPA_agent.config import CONFIG_DIR
 from SPA_agent.dir_lock import DirLock, check_unlocked, check_writable
 from SPA_agent.entry import apply_system_env, exit_on_user_error, load_tokenizer
@@ -128,8 +129,10 @@ def run(cfg: DictConfig) -> Path:
 
 
 def _copy_environment(cfg: DictConfig) -> None:
-    """Entry-point-only environment handling: visible GPUs from config; wandb offline without a key."""
+    """Entry-point-only environment handling: visible GPUs from config; wandb offline without a key; the
+    persistent compile cache (for compiled kernels; a Ray cluster started by this run inherits it)."""
     apply_system_env(cfg)
+    use_persistent_compile_cache()
     if "wandb" in cfg.trainer.logger and not os.environ.get("WANDB_API_KEY"):
         os.environ.setdefault("WANDB_MODE", "offline")
 

@@ -84,15 +84,18 @@ def filtered_batch_size(cfg: DictConfig) -> int:
 
 
 def attention_settings(has_flash_attn: bool) -> dict[str, object]:
-    """Attention of the actor, reference and critic models (verl path → value).
+    """Attention of the actor, reference and critic models (verl path → value): flash_attention_2 where flash-attn
+    is installed, else sdpa; remove-padding (packed micro-batches) with either.
 
-    verl defaults to flash_attention_2 on packed (remove-padding) batches; where flash-attn is not installed, the
-    models use sdpa on padded batches instead (sdpa cannot keep sequences packed into one row apart).
+    With `use_remove_padding`, verl's FSDP engine (`FSDPEngine.prepare_model_inputs`) concatenates a micro-batch's
+    sequences into one row with restarting `position_ids`, no attention mask and `use_cache=False`; its unpad
+    helpers fall back to plain torch without flash-attn (`verl.utils.attention_utils`). transformers then reads the
+    sequence boundaries from the position ids: flash-attn's variable-length kernel, or for sdpa a block-diagonal
+    causal mask (dense, computed in full), so packed sequences never attend to each other either way.
     """
     attention = "flash_attention_2" if has_flash_attn else "sdpa"
     return {f"{model}.{key}": value for model in ("actor_rollout_ref.model", f"{_CRITIC}.model")
-            for key, value in (("override_config.attn_implementation", attention),
-                               ("use_remove_padding", has_flash_attn))}
+            for key, value in (("override_config.attn_implementation", attention), ("use_remove_padding", True))}
 
 
 def _derived(cfg: DictConfig) -> dict[str, object]:

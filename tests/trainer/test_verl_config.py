@@ -103,12 +103,34 @@ def test_attention_follows_flash_attn_availability(has_flash_attn, attention):
     settings = vc.attention_settings(has_flash_attn)
     for model in ("actor_rollout_ref.model", "critic.model"):
         assert settings[f"{model}.override_config.attn_implementation"] == attention
-        assert settings[f"{model}.use_remove_padding"] is has_flash_attn  # packed rows need flash-attn's varlen
+        assert settings[f"{model}.use_remove_padding"] is True  # packed micro-batches with either kernel
 
 
-def test_without_flash_attn_verl_builds_sdpa_models_on_padded_batches(configs):
+def test_without_flash_attn_verl_builds_sdpa_models_on_packed_batches(configs):
     # this CPU machine has no flash-attn: verl's typed model configs must not ask for it (they did: issue 16)
     _, verl_cfg = configs
     for model in (verl_cfg.actor_rollout_ref.model, verl_cfg.critic.model):
         typed = omega_conf_to_dataclass(model)
-        assert typed.hf_config._attn_implementation == "sdpa" and typed.use_remove_padding is False
+        assert typed.hf_config._attn_implementation == "sdpa" and typed.use_remove_padding is True
+    # the actor's own flag interpolates the model's (what engine_workers hands the reference and actor engines)
+    assert verl_cfg.actor_rollout_ref.actor.use_remove_padding is True
+
+
+def test_remove_padding_inputs_keep_sequences_apart_with_sdpa(tiny_dir):
+    """verl's remove-padding forward without flash-attn: the micro-batch as one row (`values()` of the jagged
+    input_ids / position_ids, as FSDPEngine.prepare_model_inputs builds it), no attention mask, use_cache=False,
+    sdpa. Each sequence's logits must equal those of the sequence run alone."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32, attn_implementation="sdpa")
+    g = torch.Generator().manual_seed(0)
+    sequences = [torch.randint(3, 800, (n,), generator=g) for n in (23, 61, 9)]
+    input_ids = torch.nested.nested_tensor(sequences, layout=torch.jagged)
+    position_ids = torch.nested.nested_tensor([torch.arange(len(s)) for s in sequences], layout=torch.jagged)
+    with torch.no_grad():
+        packed = model(input_ids=input_ids.values().unsqueeze(0), attention_mask=None,
+                       position_ids=position_ids.values().unsqueeze(0), use_cache=False).logits[0]
+        alone = [model(input_ids=s[None], use_cache=False).logits[0] for s in sequences]
+    for start, end, logits in zip(input_ids.offsets()[:-1], input_ids.offsets()[1:], alone):
+        torch.testing.assert_close(packed[start:end], logits, atol=1e-4, rtol=1e-4)
