@@ -83,19 +83,24 @@ def filtered_batch_size(cfg: DictConfig) -> int:
     return groups * train.group_size
 
 
-def attention_settings(has_flash_attn: bool) -> dict[str, object]:
+def attention_settings(has_flash_attn: bool, remove_padding: str | bool = "auto") -> dict[str, object]:
     """Attention of the actor, reference and critic models (verl path → value): flash_attention_2 where flash-attn
-    is installed, else sdpa; remove-padding (packed micro-batches) with either.
+    is installed, else sdpa; remove-padding (packed micro-batches) per `verl_backend.remove_padding`: `auto` = with
+    flash-attn only, `True`/`False` = always/never.
 
     With `use_remove_padding`, verl's FSDP engine (`FSDPEngine.prepare_model_inputs`) concatenates a micro-batch's
     sequences into one row with restarting `position_ids`, no attention mask and `use_cache=False`; its unpad
     helpers fall back to plain torch without flash-attn (`verl.utils.attention_utils`). transformers then reads the
     sequence boundaries from the position ids: flash-attn's variable-length kernel, or for sdpa a block-diagonal
-    causal mask (dense, computed in full), so packed sequences never attend to each other either way.
+    causal mask (dense, computed in full), so packed sequences never attend to each other either way. The sdpa
+    combination is checked on CPU only, so `auto` keeps it off.
     """
+    if remove_padding not in ("auto", True, False):
+        raise ValueError(f"verl_backend.remove_padding must be auto, true or false, got {remove_padding!r}")
     attention = "flash_attention_2" if has_flash_attn else "sdpa"
+    packed = has_flash_attn if remove_padding == "auto" else remove_padding
     return {f"{model}.{key}": value for model in ("actor_rollout_ref.model", f"{_CRITIC}.model")
-            for key, value in (("override_config.attn_implementation", attention), ("use_remove_padding", True))}
+            for key, value in (("override_config.attn_implementation", attention), ("use_remove_padding", packed))}
 
 
 def _derived(cfg: DictConfig) -> dict[str, object]:
@@ -107,7 +112,8 @@ def _derived(cfg: DictConfig) -> dict[str, object]:
     context = cfg.actor_rollout_ref.rollout.max_model_len
     steps = cfg.trainer.total_training_steps
     return {
-        **attention_settings(importlib.util.find_spec("flash_attn") is not None),
+        **attention_settings(importlib.util.find_spec("flash_attn") is not None,
+                             cfg.get("verl_backend", {}).get("remove_padding", "auto")),
         "actor_rollout_ref.model.path": actor_path,
         f"{_CRITIC}.model.path": critic_path,
         f"{_CRITIC}.model.tokenizer_path": actor_path,

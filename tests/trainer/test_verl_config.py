@@ -99,21 +99,29 @@ def test_bad_settings_name_the_key(override, message):
 
 
 @pytest.mark.parametrize("has_flash_attn, attention", [(True, "flash_attention_2"), (False, "sdpa")])
-def test_attention_follows_flash_attn_availability(has_flash_attn, attention):
-    settings = vc.attention_settings(has_flash_attn)
+@pytest.mark.parametrize("remove_padding", ["auto", True, False])
+def test_attention_follows_flash_attn_availability(has_flash_attn, attention, remove_padding):
+    settings = vc.attention_settings(has_flash_attn, remove_padding)
+    packed = has_flash_attn if remove_padding == "auto" else remove_padding
     for model in ("actor_rollout_ref.model", "critic.model"):
         assert settings[f"{model}.override_config.attn_implementation"] == attention
-        assert settings[f"{model}.use_remove_padding"] is True  # packed micro-batches with either kernel
+        assert settings[f"{model}.use_remove_padding"] is packed
 
 
-def test_without_flash_attn_verl_builds_sdpa_models_on_packed_batches(configs):
-    # this CPU machine has no flash-attn: verl's typed model configs must not ask for it (they did: issue 16)
+def test_remove_padding_setting_is_checked():
+    with pytest.raises(ValueError, match="remove_padding must be auto, true or false"):
+        vc.attention_settings(False, "yes")
+
+
+def test_without_flash_attn_verl_builds_sdpa_models(configs):
+    # this CPU machine has no flash-attn: verl's typed model configs must not ask for it (they did: issue 16), and
+    # `auto` keeps sdpa on padded micro-batches (the combination that ran on GPUs)
     _, verl_cfg = configs
     for model in (verl_cfg.actor_rollout_ref.model, verl_cfg.critic.model):
         typed = omega_conf_to_dataclass(model)
-        assert typed.hf_config._attn_implementation == "sdpa" and typed.use_remove_padding is True
+        assert typed.hf_config._attn_implementation == "sdpa" and typed.use_remove_padding is False
     # the actor's own flag interpolates the model's (what engine_workers hands the reference and actor engines)
-    assert verl_cfg.actor_rollout_ref.actor.use_remove_padding is True
+    assert verl_cfg.actor_rollout_ref.actor.use_remove_padding is False
 
 
 def test_remove_padding_inputs_keep_sequences_apart_with_sdpa(tiny_dir):
