@@ -9,6 +9,8 @@
 #   --platform TAG      an extra wheel platform tag; repeatable
 #   --have FILE         `pip freeze` of the host: those projects are kept at the host's versions and not fetched
 #   --skip NAME         a project not to fetch (repeatable; default: flashinfer-cubin)
+#   --build NAME        a pure-Python project published only as source: built into a wheel here (repeatable;
+#                       default: antlr4-python3-runtime, which hydra-core 1.3 needs)
 #   --slim-ray          drop ray/jars and the dashboard client build from the ray wheel (~100 MB less)
 #   --split SIZE        also pack the wheelhouse into parts of at most SIZE (split -b syntax, e.g. 1900M)
 #
@@ -22,7 +24,7 @@ set -euo pipefail
 die() { echo "error: $*" >&2; exit 2; }
 
 OUT=wheelhouse PYVER=3.12 GLIBC=2.28 HAVE="" SPLIT="" SLIM_RAY=0
-PLATFORMS=() SKIPS=(flashinfer-cubin) PACKAGES=()
+PLATFORMS=() SKIPS=(flashinfer-cubin) BUILDS=(antlr4-python3-runtime) PACKAGES=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --out) OUT="${2:?--out needs a directory}"; shift 2 ;;
@@ -31,9 +33,10 @@ while [ $# -gt 0 ]; do
         --platform) PLATFORMS+=("${2:?--platform needs a tag}"); shift 2 ;;
         --have) HAVE="${2:?--have needs a pip freeze file}"; shift 2 ;;
         --skip) SKIPS+=("${2:?--skip needs a project name}"); shift 2 ;;
+        --build) BUILDS+=("${2:?--build needs a project name}"); shift 2 ;;
         --slim-ray) SLIM_RAY=1; shift ;;
         --split) SPLIT="${2:?--split needs a size like 1900M}"; shift 2 ;;
-        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
         -*) die "unknown option $1 (see --help)" ;;
         *) PACKAGES+=("$1"); shift ;;
     esac
@@ -65,7 +68,8 @@ for p in "${PLATFORMS[@]}" any; do TARGET_FLAGS+=(--platform "$p"); done
 
 echo "resolving ${PACKAGES[*]} for $ABI, x86_64 glibc $GLIBC" >&2
 printf '%s\n' "${PACKAGES[@]}" > "$WORK/requirements.in"
-UV_PYTHON_DOWNLOADS=never "${UV[@]}" pip compile --quiet --no-header --no-annotate --only-binary :all: \
+SOURCE_FLAGS=(); for b in "${BUILDS[@]}"; do SOURCE_FLAGS+=(--no-binary "$b"); done
+UV_PYTHON_DOWNLOADS=never "${UV[@]}" pip compile --quiet --no-header --no-annotate --only-binary :all: "${SOURCE_FLAGS[@]}" \
     --python-version "$PYVER" --python-platform "x86_64-manylinux_2_${GLIBC#2.}" \
     --override "$WORK/overrides.txt" -o "$WORK/resolved.txt" "$WORK/requirements.in"
 
@@ -81,8 +85,24 @@ for line in open(resolved):
         print(line)
 EOF
 echo "fetching $(wc -l < "$WORK/needed.txt") wheels the host lacks" >&2
-if [ -s "$WORK/needed.txt" ]; then
-    "$PY" -m pip download --quiet --no-deps -d "$OUT" "${TARGET_FLAGS[@]}" -r "$WORK/needed.txt"
+# Source-only projects (--build) are built into wheels here; they must come out pure Python (py3-none-any).
+"$PY" - "$WORK/needed.txt" "$WORK/binary.txt" "$WORK/source.txt" "${BUILDS[@]}" <<'EOF'
+import re, sys
+norm = lambda name: re.sub(r"[-_.]+", "-", name).lower()
+needed, binary, source, builds = sys.argv[1], sys.argv[2], sys.argv[3], {norm(b) for b in sys.argv[4:]}
+with open(binary, "w") as b, open(source, "w") as s:
+    for line in filter(None, (line.strip() for line in open(needed))):
+        (s if norm(line.split("==")[0].split("[")[0]) in builds else b).write(line + "\n")
+EOF
+if [ -s "$WORK/binary.txt" ]; then
+    "$PY" -m pip download --quiet --no-deps -d "$OUT" "${TARGET_FLAGS[@]}" -r "$WORK/binary.txt"
+fi
+if [ -s "$WORK/source.txt" ]; then
+    "$PY" -m pip wheel --quiet --no-deps -w "$WORK/built" -r "$WORK/source.txt"
+    for wheel in "$WORK"/built/*.whl; do
+        case "$wheel" in *-py3-none-any.whl|*-py2.py3-none-any.whl) mv "$wheel" "$OUT/" ;;
+            *) die "$(basename "$wheel") is not pure Python: --build is for source-only pure-Python projects" ;; esac
+    done
 fi
 
 if [ "$SLIM_RAY" = 1 ]; then

@@ -76,3 +76,15 @@ def test_host_versions_override_conflicting_pins(tmp_path):
     assert result.returncode == 0, result.stderr
     fetched = {p.name.split("-")[0] for p in (tmp_path / "wh").glob("*.whl")}
     assert "python_dateutil" in fetched and "six" not in fetched, fetched
+
+
+@pytest.mark.slow
+def test_source_only_dependency_is_built_into_a_pure_wheel(tmp_path):
+    # hydra-core 1.3 needs antlr4-python3-runtime 4.9.*, published only as source: without --build the resolution
+    # fell back to hydra-core 0.11 (the only version without it), which our configs cannot run on
+    (tmp_path / "have.txt").write_text("pyyaml==6.0.2\npackaging==25.0\n")
+    result = _run("--out", "wh", "--have", "have.txt", "--glibc", "2.39", "hydra-core>=1.3", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    wheels = sorted(p.name for p in (tmp_path / "wh").glob("*.whl"))
+    assert any(w.startswith("hydra_core-1.3.") for w in wheels), wheels
+    assert any(w.startswith("antlr4_python3_runtime-4.9.") and w.endswith("-py3-none-any.whl") for w in wheels), wheels
