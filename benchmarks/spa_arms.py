@@ -67,7 +67,7 @@ class Settings:
     config: str = "_2_sokoban"
     model: str = "small"
     data_batches: int = 12
-    sft_epochs: int = 2
+    sft_epochs: int = 1
     sft_lr: float = 5e-4
     sft_save_freq: int = 200
     ppo_steps: int = 150

@@ -1,0 +1,76 @@
+"""benchmarks/spa_arms.py (issue 13's three arms) end to end at CPU sizes on the tiny model: every stage, the
+report's columns, the control arm's data, a rerun that skips everything, status lines and refused settings."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+ARMS = ("spa", "nowm", "released")
+TINY = [
+    "--model", "tiny", "--data-batches", "1", "--ppo-steps", "1", "--test-freq", "1", "--save-freq", "1",
+    "--val-groups", "2", "--val-group-size", "2", "--wm-puzzles", "1",
+    "--overrides", "es_manager.train.env_groups=2 es_manager.train.group_size=2 es_manager.train.env_configs.n_groups=[2] "
+    "agent_proxy.max_turn=2 ppo_mini_batch_size=2 micro_batch_size_per_gpu=2 "
+    "actor_rollout_ref.rollout.rollout_filter_ratio=1 actor_rollout_ref.rollout.response_length=16",
+    "--sft-overrides", "trainer.total_training_steps=1 data.train_batch_size=2 trainer.device=cpu",
+]
+
+
+def arms(stage, out, *args):
+    return subprocess.run([sys.executable, str(REPO / "benchmarks/spa_arms.py"), stage, "--out", str(out), *args],
+                          capture_output=True, text=True, check=False, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.slow
+def test_three_arms_run_end_to_end_then_skip_on_rerun(tmp_path):
+    out = tmp_path / "arms"
+    result = arms("all", out, *TINY)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+    # Arm (b)'s data: the same trajectories and turns, no world-model blocks anywhere, base prompts.
+    for split in ("wm_train", "wm_val"):
+        wm, nowm = (pq.read_table(out / d / f"{split}.parquet").to_pylist() for d in ("data", "data_nowm"))
+        assert len(wm) == len(nowm) > 0
+        for a, b in zip(wm, nowm):
+            assert (a["trajectory_id"], a["turn"], a["seed"]) == (b["trajectory_id"], b["turn"], b["seed"])
+            assert "<observation>" in a["response"]
+            text = b["response"] + "".join(m["content"] for m in b["prompt"])
+            assert "<observation>" not in text and "<prediction>" not in text
+            assert b["response"].endswith(a["response"][a["response"].index("<answer>"):])  # same actions
+
+    # Every arm: an SFT checkpoint, a 1-step PPO run with validation at steps 0 and 1, world-model evaluations.
+    report = json.loads((out / "report/report.json").read_text())
+    for arm in ARMS:
+        assert (Path(json.loads((out / f"sft/{arm}.json").read_text())["checkpoint"]) / "config.json").is_file()
+        assert [p["step"] for p in report["arms"][arm]["validation"]] == [0, 1]
+        assert report["arms"][arm]["episodes"] == 4
+        assert [step for step, _ in report["arms"][arm]["entropy"]] == [1]
+        for which in ("sft", "ppo"):
+            assert json.loads((out / f"eval/{arm}/{which}/eval.json").read_text())["prompt_mode"] == "add_worldmodel"
+            assert report["arms"][arm]["worldmodel"][which]["format"] is not None
+    table = (out / "report/report.md").read_text()
+    assert ("| arm | SFT init success (step 0) | final success | change (points) | intervals overlap | "
+            "world model after SFT | world model after PPO | actor entropy (first → last step) |") in table
+    assert "| step | spa | nowm | released |" in table and "\n| 1 | " in table
+    assert (out / "report/arms.png").stat().st_size > 1000
+
+    rerun = arms("all", out)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    # data, 3 SFT, 6 evaluations (the PPO runs are finished now), 3 PPO, 6 evaluations: nothing starts again.
+    assert ": started (pid" not in rerun.stdout and rerun.stdout.count("complete, skipped") == 1 + 3 + 6 + 3 + 6
+
+    status = arms("status", out).stdout.splitlines()
+    assert len(status) == 2 + 3 + 3 + 6 + 1
+    assert all("step 1/1" in line and line.split()[1] == "done;" for line in status if line.startswith("ppo/"))
+
+    refused = arms("ppo", out, "--sft-lr", "1e-3")
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "sft_lr (0.0005 -> 0.001)" in refused.stderr
