@@ -56,6 +56,8 @@ ARMS = {
 SPLITS = ("wm_train", "wm_val")
 #: settings that may change between runs into the same directory (the PPO runs continue to more steps)
 MUTABLE = ("ppo_steps", "max_parallel")
+#: the checkout this script belongs to: its processes import the same code (PYTHONPATH)
+REPO = Path(__file__).resolve().parents[1]
 
 
 class StageError(Exception):
@@ -257,7 +259,8 @@ def run_jobs(exp: Experiment, jobs: list[Job]) -> None:
         if job not in pending:
             print(f"{job.name}: complete, skipped", flush=True)
     exp.logs.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONHASHSEED": "10000"}
+    env = {**os.environ, "PYTHONHASHSEED": "10000",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     running: dict[str, tuple[Job, subprocess.Popen]] = {}
     failed = []
     while pending or running:
@@ -319,7 +322,7 @@ def _device() -> str:
 
 def _commit() -> str:
     result = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False,
-                            cwd=Path(__file__).resolve().parent)
+                            cwd=REPO)
     return result.stdout.strip() or "unknown"
 
 
