@@ -16,7 +16,7 @@ complete and continuing what was interrupted (SFT and PPO from their last checkp
           validation at step 0 (the SFT init) and every --test-freq steps, checkpoints every --save-freq steps
   report  DIR/report/{report.md, report.json, arms.png}: validation success with 95% bootstrap intervals over
           episodes per step and arm, world-model accuracy after SFT and after PPO, actor entropy
-  all     data, sft, wm, ppo, wm, report
+  all     data, sft, then ppo with the SFT checkpoints' wm evaluations beside it, then wm, report
 
 Every process logs to DIR/logs/<job>.log (with <job>.pid while it runs and <job>.rc when it ended). The settings
 are recorded in DIR/settings.json by the first run; a later run with other settings is refused, except
@@ -197,25 +197,42 @@ class Experiment:
             raise StageError(f"no complete dataset in {sorted(missing)} under {self.out}: run the data stage first")
         run_jobs(self, [self.sft_job(arm) for arm in self.s.arms])
 
-    def stage_ppo(self) -> None:
-        run_jobs(self, [self.ppo_job(arm) for arm in self.s.arms])
+    def ppo_jobs(self) -> list[Job]:
+        return [self.ppo_job(arm) for arm in self.s.arms]
 
-    def stage_wm(self) -> None:
+    def wm_jobs(self) -> list[Job]:
+        """Evaluations of the SFT checkpoints there are and of the PPO runs that are finished."""
         jobs = []
         for arm in self.s.arms:
             if (checkpoint := self.sft_checkpoint(arm)) is not None:
                 jobs.append(self.wm_job(arm, "sft", checkpoint))
             if self.ppo_done(arm):
                 jobs.append(self.wm_job(arm, "ppo", self.ppo_dir(arm) / f"global_step_{self.ppo_step(arm)}" / "actor"))
-        run_jobs(self, jobs)
+        return jobs
+
+    def stage_ppo(self) -> None:
+        run_jobs(self, self.ppo_jobs())
+
+    def stage_wm(self) -> None:
+        run_jobs(self, self.wm_jobs())
 
     def stage_report(self) -> None:
         print(f"report written to {write_report(self)}", flush=True)
 
     def stage_all(self) -> None:
-        for stage in (self.stage_data, self.stage_sft, self.stage_wm, self.stage_ppo, self.stage_wm,
-                      self.stage_report):
-            stage()
+        """data, sft; then PPO with the SFT checkpoints' evaluations beside it; the PPO actors' evaluations; the
+        report. A failed evaluation or PPO arm does not stop the others; the stage fails at the end."""
+        self.stage_data()
+        self.stage_sft()
+        errors = []
+        for jobs in ([*self.ppo_jobs(), *self.wm_jobs()], None):
+            try:
+                run_jobs(self, self.wm_jobs() if jobs is None else jobs, limit=None if jobs is None else len(jobs))
+            except StageError as err:
+                errors.append(str(err))
+        self.stage_report()
+        if errors:
+            raise StageError("; ".join(errors))
 
 
 def read_eval(out: Path) -> dict | None:
@@ -252,8 +269,9 @@ def write_without_worldmodel(source: Path, target: Path, settings: Settings) -> 
     print(f"data without world model written to {target} ({counts})", flush=True)
 
 
-def run_jobs(exp: Experiment, jobs: list[Job]) -> None:
-    """Run the jobs whose outputs are incomplete, at most `max_parallel` at a time; fail if any fails."""
+def run_jobs(exp: Experiment, jobs: list[Job], limit: int | None = None) -> None:
+    """Run the jobs whose outputs are incomplete, at most `limit` (default --max-parallel) at a time; fail once
+    they have all ended if any failed."""
     pending = [job for job in jobs if not job.done()]
     for job in jobs:
         if job not in pending:
@@ -264,7 +282,7 @@ def run_jobs(exp: Experiment, jobs: list[Job]) -> None:
     running: dict[str, tuple[Job, subprocess.Popen]] = {}
     failed = []
     while pending or running:
-        while pending and len(running) < max(1, exp.s.max_parallel):
+        while pending and len(running) < max(1, limit or exp.s.max_parallel):
             job = pending.pop(0)
             (exp.logs / f"{job.name}.rc").unlink(missing_ok=True)
             with open(exp.logs / f"{job.name}.log", "a", encoding="utf-8") as log:
