@@ -20,9 +20,10 @@ complete and continuing what was interrupted (SFT and PPO from their last checkp
 
 Every process logs to DIR/logs/<job>.log (with <job>.pid while it runs and <job>.rc when it ended). The settings
 are recorded in DIR/settings.json by the first run; a later run with other settings is refused, except
---ppo-steps, which may grow (the PPO runs continue). Extra Hydra overrides: --overrides (data, PPO and
-evaluation: the env and rollout settings), --data-overrides, --sft-overrides, --ppo-overrides, --eval-overrides
-(each one quoted string, split like a shell line).
+--ppo-steps, which may grow (the PPO runs continue), --max-parallel and --devices (comma-separated GPU ids that a
+stage's processes are spread over, round-robin; default: all on the default device). Extra Hydra overrides:
+--overrides (data, PPO and evaluation: the env and rollout settings), --data-overrides, --sft-overrides,
+--ppo-overrides, --eval-overrides (each one quoted string, split like a shell line).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ ARMS = {
 }
 SPLITS = ("wm_train", "wm_val")
 #: settings that may change between runs into the same directory (the PPO runs continue to more steps)
-MUTABLE = ("ppo_steps", "max_parallel")
+MUTABLE = ("ppo_steps", "max_parallel", "devices")
 #: the checkout this script belongs to: its processes import the same code (PYTHONPATH)
 REPO = Path(__file__).resolve().parents[1]
 
@@ -85,6 +86,7 @@ class Settings:
     ppo_overrides: str = ""
     eval_overrides: str = ""
     max_parallel: int = 3
+    devices: str = ""
 
 
 @dataclass
@@ -279,16 +281,20 @@ def run_jobs(exp: Experiment, jobs: list[Job], limit: int | None = None) -> None
     exp.logs.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONHASHSEED": "10000",
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    devices, started = [d for d in exp.s.devices.split(",") if d.strip()], 0
     running: dict[str, tuple[Job, subprocess.Popen]] = {}
     failed = []
     while pending or running:
         while pending and len(running) < max(1, limit or exp.s.max_parallel):
             job = pending.pop(0)
             (exp.logs / f"{job.name}.rc").unlink(missing_ok=True)
+            if devices:  # --devices: jobs round-robin over the listed GPUs
+                env["CUDA_VISIBLE_DEVICES"] = devices[started % len(devices)]
+            started += 1
             with open(exp.logs / f"{job.name}.log", "a", encoding="utf-8") as log:
                 log.write(f"\n== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(job.argv)}\n")
                 log.flush()
-                proc = subprocess.Popen(job.argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+                proc = subprocess.Popen(job.argv, stdout=log, stderr=subprocess.STDOUT, env=dict(env))
             atomic_io.write_text(exp.logs / f"{job.name}.pid", str(proc.pid))
             print(f"{job.name}: started (pid {proc.pid}, log {exp.logs / job.name}.log)", flush=True)
             running[job.name] = (job, proc)

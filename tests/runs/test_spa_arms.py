@@ -3,6 +3,7 @@ report's columns, the control arm's data, a rerun that skips everything, status 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -74,3 +75,25 @@ def test_three_arms_run_end_to_end_then_skip_on_rerun(tmp_path):
 
     refused = arms("ppo", out, "--sft-lr", "1e-3")
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "sft_lr (0.0005 -> 0.001)" in refused.stderr
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("spa_arms", REPO / "benchmarks/spa_arms.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("spa_arms", module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_jobs_run_in_parallel_on_their_devices_and_a_failure_is_reported_after_all_ended(tmp_path):
+    script = _load_script()
+    exp = script.Experiment(tmp_path, script.Settings(max_parallel=2, devices="3,5"))
+    show = "import os, sys; print(os.environ['CUDA_VISIBLE_DEVICES']); sys.exit({})"
+    jobs = [script.Job(name, [sys.executable, "-c", show.format(rc)], lambda: False)
+            for name, rc in (("a", 0), ("b", 1), ("c", 0))]
+    with pytest.raises(script.StageError, match="^b failed"):
+        script.run_jobs(exp, jobs)
+    logs = {name: (tmp_path / f"logs/{name}.log").read_text().splitlines()[-1] for name in "abc"}
+    assert logs == {"a": "3", "b": "5", "c": "3"}
+    assert {name: (tmp_path / f"logs/{name}.rc").read_text() for name in "abc"} == {"a": "0", "b": "1", "c": "0"}
+    assert [script.job_state(exp, name) for name in "ab"] == ["exited 0", f"failed (exit 1, {tmp_path}/logs/b.log)"]
