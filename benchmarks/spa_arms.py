@@ -180,13 +180,15 @@ class Experiment:
             lambda: self.ppo_done(arm))
 
     def wm_job(self, arm: str, which: str, model_path: Path) -> Job:
+        """Evaluation of `model_path`; complete once eval.json holds that model (a PPO run continued to more
+        steps is evaluated again)."""
         out = self.eval_dir(arm, which)
         return Job(f"wm-{arm}-{which}", [
             sys.executable, "-m", "SPA_agent.evaluate", "--config-name", self.s.config, f"model={self.s.model}",
             f"model_path={model_path}", "evaluation.prompt_mode=add_worldmodel",
             f"evaluation.num_puzzles={self.s.wm_puzzles}", "evaluation.n=1", "evaluation.k=[1]",
             "evaluation.write_plots=false", f"evaluation.output_dir={out}", *self._overrides(self.s.eval_overrides)],
-            lambda: read_eval(out) is not None)
+            lambda: (result := read_eval(out)) is not None and result["model_path"] == str(model_path))
 
     # ------------------------------------------------------------------ stages
     def stage_data(self) -> None:
@@ -196,7 +198,7 @@ class Experiment:
     def stage_sft(self) -> None:
         missing = sorted({ARMS[arm][0] for arm in self.s.arms if not (self.out / ARMS[arm][0] / CARD_FILE).is_file()})
         if missing:
-            raise StageError(f"no complete dataset in {sorted(missing)} under {self.out}: run the data stage first")
+            raise StageError(f"no complete dataset in {missing} under {self.out}: run the data stage first")
         run_jobs(self, [self.sft_job(arm) for arm in self.s.arms])
 
     def ppo_jobs(self) -> list[Job]:
@@ -221,18 +223,22 @@ class Experiment:
     def stage_report(self) -> None:
         print(f"report written to {write_report(self)}", flush=True)
 
+    def stage_ppo_beside_evaluations(self) -> None:
+        """The PPO runs, and the evaluations of the SFT checkpoints in processes beside them."""
+        jobs = [*self.ppo_jobs(), *self.wm_jobs()]
+        run_jobs(self, jobs, limit=len(jobs))
+
     def stage_all(self) -> None:
         """data, sft; then PPO with the SFT checkpoints' evaluations beside it; the PPO actors' evaluations; the
         report. A failed evaluation or PPO arm does not stop the others; the stage fails at the end."""
         self.stage_data()
         self.stage_sft()
         errors = []
-        for jobs in ([*self.ppo_jobs(), *self.wm_jobs()], None):
+        for step in (self.stage_ppo_beside_evaluations, self.stage_wm, self.stage_report):
             try:
-                run_jobs(self, self.wm_jobs() if jobs is None else jobs, limit=None if jobs is None else len(jobs))
+                step()
             except StageError as err:
                 errors.append(str(err))
-        self.stage_report()
         if errors:
             raise StageError("; ".join(errors))
 
@@ -376,9 +382,10 @@ def write_report(exp: Experiment) -> Path:
     per_step = [f"| {step} | " + " | ".join(_point(next((p for p in curves[a].points if p.step == step), None))
                                            if a in curves else "–" for a in exp.s.arms) + " |" for step in steps]
     episodes = sorted({c.episodes for c in curves.values()})
+    device, commit = _device(), _commit()
     lines = [
         f"# SPA arms on {exp.s.config}, model {exp.s.model}", "",
-        f"Device: {_device()}; commit {_commit()}; validation: {'/'.join(map(str, episodes))} episodes per point "
+        f"Device: {device}; commit {commit}; validation: {'/'.join(map(str, episodes))} episodes per point "
         f"({exp.s.val_groups} puzzles × {exp.s.val_group_size}), 95% percentile bootstrap intervals over episodes; "
         f"world-model exact match on {exp.s.wm_puzzles} validation puzzles with add_worldmodel prompts.", "",
         "| arm | SFT init success (step 0) | final success | change (points) | intervals overlap | "
@@ -391,7 +398,8 @@ def write_report(exp: Experiment) -> Path:
         f"Settings: `{json.dumps(asdict(exp.s))}`", ""]
     out.mkdir(parents=True, exist_ok=True)
     plot_arms({arm: curves[arm] for arm in exp.s.arms if arm in curves}, out / "arms.png")
-    atomic_io.write_json(out / "report.json", {"settings": asdict(exp.s), "arms": data})
+    atomic_io.write_json(out / "report.json", {"device": device, "commit": commit, "settings": asdict(exp.s),
+                                               "arms": data})
     atomic_io.write_text(out / "report.md", "\n".join(lines))
     return out / "report.md"
 
