@@ -117,15 +117,16 @@ def test_strip_worldmodel_keeps_thoughts_and_answer_in_the_base_format():
         "<think>hm </think><answer>Up</answer>"
 
 
-def test_rows_without_world_model_are_the_base_mode_rows_of_the_same_trajectories(tmp_path):
+@pytest.mark.parametrize("config_name, tag", [("_2_sokoban", "SimpleSokoban"), ("_3_frozen_lake", "FrozenLake")])
+def test_rows_without_world_model_are_the_base_mode_rows_of_the_same_trajectories(tmp_path, config_name, tag):
     """The random generator draws the same actions in both prompt modes, so base-mode self-play on the same seeds
     plays the same trajectories: stripping the world-model rows must give exactly its rows."""
     rows = {}
     for mode in ("add_worldmodel", "base"):
-        generate(data_gen_config("_2_sokoban", tmp_path / mode, "generator=random", f"data_gen.prompt_mode={mode}",
-                                 *SMALL))
+        generate(data_gen_config(config_name, tmp_path / mode, "generator=random", f"data_gen.prompt_mode={mode}",
+                                 "data_gen.format_filter=false", *SMALL))
         rows[mode] = _rows(tmp_path / mode)
-    env = compose("_2_sokoban", ["model=tiny"]).custom_envs.SimpleSokoban
+    env = compose(config_name, ["model=tiny"]).custom_envs[tag]
     assert len(rows["base"]) == len(rows["add_worldmodel"]) > 4
     for wm_row, base_row in zip(rows["add_worldmodel"], rows["base"]):
         assert (wm_row["trajectory_id"], wm_row["turn"]) == (base_row["trajectory_id"], base_row["turn"])
