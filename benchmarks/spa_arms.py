@@ -124,7 +124,7 @@ class Experiment:
 
     def sft_checkpoint(self, arm: str) -> Path | None:
         marker = self.sft_marker(arm)
-        return Path(json.loads(marker.read_text())["checkpoint"]) if marker.is_file() else None
+        return self.out / json.loads(marker.read_text())["checkpoint"] if marker.is_file() else None
 
     def ppo_step(self, arm: str) -> int | None:
         from SPA_agent.trainer.checkpoint import latest_step
@@ -153,7 +153,8 @@ class Experiment:
         data_dir, out = self.out / data, self.sft_dir(arm)
 
         def record_checkpoint() -> None:
-            atomic_io.write_json(self.sft_marker(arm), {"checkpoint": str(checkpoints(out)[-1][1])})
+            checkpoint = checkpoints(out)[-1][1].relative_to(self.out)  # relative: the directory may move
+            atomic_io.write_json(self.sft_marker(arm), {"checkpoint": str(checkpoint)})
 
         return Job(f"sft-{arm}", [
             sys.executable, "-m", "sft.spa_sft_trainer", f"data.train_files={data_dir / 'wm_train.parquet'}",
@@ -181,14 +182,15 @@ class Experiment:
 
     def wm_job(self, arm: str, which: str, model_path: Path) -> Job:
         """Evaluation of `model_path`; complete once eval.json holds that model (a PPO run continued to more
-        steps is evaluated again)."""
-        out = self.eval_dir(arm, which)
+        steps is evaluated again; compared below the experiment directory, which may move)."""
+        out, relative = self.eval_dir(arm, which), model_path.relative_to(self.out)
         return Job(f"wm-{arm}-{which}", [
             sys.executable, "-m", "SPA_agent.evaluate", "--config-name", self.s.config, f"model={self.s.model}",
             f"model_path={model_path}", "evaluation.prompt_mode=add_worldmodel",
             f"evaluation.num_puzzles={self.s.wm_puzzles}", "evaluation.n=1", "evaluation.k=[1]",
             "evaluation.write_plots=false", f"evaluation.output_dir={out}", *self._overrides(self.s.eval_overrides)],
-            lambda: (result := read_eval(out)) is not None and result["model_path"] == str(model_path))
+            lambda: (result := read_eval(out)) is not None
+            and Path(result["model_path"]).parts[-len(relative.parts):] == relative.parts)
 
     # ------------------------------------------------------------------ stages
     def stage_data(self) -> None:
