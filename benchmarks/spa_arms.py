@@ -20,8 +20,8 @@ complete and continuing what was interrupted (SFT and PPO from their last checkp
 
 Every process logs to DIR/logs/<job>.log (with <job>.pid while it runs and <job>.rc when it ended). The settings
 are recorded in DIR/settings.json by the first run; a later run with other settings is refused, except
---ppo-steps, which may grow (the PPO runs continue), --max-parallel and --devices (comma-separated GPU ids that a
-stage's processes are spread over, round-robin; default: all on the default device). Extra Hydra overrides:
+--ppo-steps, which may grow (the PPO runs continue), --arms, --max-parallel and --devices (comma-separated GPU
+ids that a stage's processes are spread over, round-robin; default: all on the default device). Extra overrides:
 --overrides (data, PPO and evaluation: the env and rollout settings), --data-overrides, --sft-overrides,
 --ppo-overrides, --eval-overrides (each one quoted string, split like a shell line).
 """
@@ -55,14 +55,29 @@ ARMS = {
     "released": ("data", "released", "(c) loss_target=released"),
 }
 SPLITS = ("wm_train", "wm_val")
-#: settings that may change between runs into the same directory (the PPO runs continue to more steps)
-MUTABLE = ("ppo_steps", "max_parallel", "devices")
+#: settings that may change between runs into the same directory (the PPO runs continue to more steps; arms may
+#: be added, they share the data)
+MUTABLE = ("ppo_steps", "arms", "max_parallel", "devices")
 #: the checkout this script belongs to: its processes import the same code (PYTHONPATH)
 REPO = Path(__file__).resolve().parents[1]
 
 
 class StageError(Exception):
     """A stage that cannot run or whose processes failed: printed as one line."""
+
+
+HELP = {
+    "config": "entry config", "model": "model preset: small, or tiny for CPU checks",
+    "data_batches": "self-play batches (es_manager.train: 32 × 8 trajectories each)",
+    "sft_epochs": "SFT epochs", "sft_lr": "SFT learning rate", "sft_save_freq": "SFT checkpoint interval (steps)",
+    "ppo_steps": "PPO steps per arm", "test_freq": "PPO validation interval (steps)",
+    "save_freq": "PPO checkpoint interval (steps)", "val_groups": "validation puzzles of PPO",
+    "val_group_size": "samples per validation puzzle", "wm_puzzles": "puzzles of the world-model evaluations",
+    "arms": "arms to run", "overrides": "Hydra overrides of data, PPO and evaluation (one quoted string)",
+    "data_overrides": "Hydra overrides of the data stage", "sft_overrides": "Hydra overrides of SFT",
+    "ppo_overrides": "Hydra overrides of PPO", "eval_overrides": "Hydra overrides of the evaluations",
+    "max_parallel": "processes at a time within a stage", "devices": "comma-separated GPU ids to spread processes over",
+}
 
 
 @dataclass
@@ -482,11 +497,7 @@ def load_settings(out: Path, given: Mapping) -> Settings:
     if changed:
         raise StageError(f"{out} holds an experiment made with other settings: {', '.join(changed)}. "
                          "Use another --out, or drop those options")
-    settings = Settings(**{**recorded, **{k: v for k, v in given.items() if v is not None}})
-    unknown = set(settings.arms) - set(ARMS)
-    if unknown:
-        raise StageError(f"unknown arm(s) {sorted(unknown)}; choose from {list(ARMS)}")
-    return settings
+    return Settings(**{**recorded, **{k: v for k, v in given.items() if v is not None}})
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -496,12 +507,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     defaults = Settings()
     for f in fields(Settings):
         flag = "--" + f.name.replace("_", "-")
+        help_text = f"{HELP[f.name]} (default: {getattr(defaults, f.name)!r})"
         if f.name == "arms":
-            parser.add_argument(flag, nargs="+", choices=list(ARMS), default=None,
-                                help=f"arms to run (default: {' '.join(defaults.arms)})")
+            parser.add_argument(flag, nargs="+", choices=list(ARMS), default=None, help=help_text)
         else:
-            parser.add_argument(flag, type=type(getattr(defaults, f.name)), default=None,
-                                help=f"default: {getattr(defaults, f.name)!r}")
+            parser.add_argument(flag, type=type(getattr(defaults, f.name)), default=None, help=help_text)
     return parser.parse_args(argv)
 
 
