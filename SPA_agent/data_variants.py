@@ -6,6 +6,10 @@
   sentence replaced by an i.i.d. uniform cell of the same grid; the symbol grid itself stays true.
 
 Only the assistant's state blocks change; the `State:` renders in the user turns stay the true ones.
+
+One variant changes the format instead: `without_worldmodel_row` turns a world-model row into the plain base-format
+row of the same turn (no `<observation>`/`<prediction>`, base instruction and format sentence): the "no world
+model" control of issue 13, trained on the same trajectories as SPA.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ import re
 
 import numpy as np
 
-from SPA_agent.worldmodel import SUDOKU_ROW_MARK
+from SPA_agent.parsing import BASE_FORMAT, WORLDMODEL_FORMAT, find_worldmodel_blocks, strip_tags
+from SPA_agent.worldmodel import OBSERVATION_TAGS, PREDICTION_TAGS, SUDOKU_ROW_MARK, block_contents
 
 STATE_TARGETS = ("ground_truth", "self_belief", "random_coordinates")
 COORDINATE_PAIR_RE = re.compile(r"\((\d+),(\d+)\)")
@@ -57,3 +62,44 @@ def state_targets(true_states: list[str], target: str, rng: np.random.Generator)
     if target == "random_coordinates":
         return [randomize_coordinates(state, rng) for state in true_states]
     raise ValueError(f"data_gen.state_targets must be one of {STATE_TARGETS}, got {target!r}")
+
+
+def _drop_blocks(text: str, tags: tuple[str, str]) -> str:
+    """`text` without its `open…close` blocks (tags and contents)."""
+    pieces, pos = [], 0
+    for start, end in block_contents(text, tags):
+        pieces.append(text[pos:start - len(tags[0])])
+        pos = end + len(tags[1])
+    return "".join(pieces) + text[pos:]
+
+
+def strip_worldmodel(response: str) -> str:
+    """A world-model response as the base format writes the same turn: `<think>{thoughts}</think><answer>{answer}
+    </answer>` (normalized as base-mode parsing normalizes, parsing.parse_response), where the thoughts are those
+    between `</observation>` and `<prediction>`. A response not in the world-model format only loses its state
+    blocks (tags and contents)."""
+    blocks = find_worldmodel_blocks(response)
+    if blocks is None:
+        return _drop_blocks(_drop_blocks(response, OBSERVATION_TAGS), PREDICTION_TAGS)
+    _, thoughts, _, answer = blocks
+    return f"<think>{strip_tags(thoughts)}</think><answer>{strip_tags(answer)}</answer>"
+
+
+def without_worldmodel_row(prompt: list[dict], response: str, worldmodel_instruction: str,
+                           base_instruction: str) -> tuple[list[dict], str]:
+    """(prompt, response) of a world-model SFT row as the base prompt mode shows the same turn: the first user
+    message's instruction is the base one (`env_instruction` instead of `env_instruction_add_worldmodel`; what
+    follows it, symbols and actions, is the same in both modes), every format sentence is the base one, and
+    every assistant message and the response go through `strip_worldmodel`."""
+    messages = [dict(message) for message in prompt]
+    first_user = next((m for m in messages if m["role"] == "user"), None)
+    if first_user is None or not first_user["content"].startswith(worldmodel_instruction):
+        raise ValueError("the row's first user message does not start with the add_worldmodel instruction: "
+                         "is it world-model SFT data of this env?")
+    first_user["content"] = base_instruction + first_user["content"][len(worldmodel_instruction):]
+    for message in messages:
+        if message["role"] == "user":
+            message["content"] = message["content"].replace(WORLDMODEL_FORMAT, BASE_FORMAT)
+        elif message["role"] == "assistant":
+            message["content"] = strip_worldmodel(message["content"])
+    return messages, strip_worldmodel(response)

@@ -1,5 +1,6 @@
 """PNG plots (matplotlib, Agg backend): pass@k over k from an evaluation; validation success / pass@G over
-training steps and the RL-health diagnostics (docs/diagnostics.md) from a PPO run's metrics.jsonl.
+training steps and the RL-health diagnostics (docs/diagnostics.md) from a PPO run's metrics.jsonl; and several
+runs side by side with intervals (`plot_arms`).
 
     python -m SPA_agent.plots <run dir or eval dir> [--out DIR]
 """
@@ -20,6 +21,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from SPA_agent import atomic_io
+from SPA_agent.learning_curves import Curve
 from SPA_agent.metrics_file import read_records
 
 VAL_KEY = re.compile(r"^val-env/(?P<tag>[^/]+)/(?P<name>success|pass@\d+)$")
@@ -127,6 +129,26 @@ def plot_diagnostics(run_dir: Path, out_path: Path | None = None) -> Path:
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
     fig.tight_layout()
     return _save(fig, out_path or Path(run_dir) / "diagnostics.png")
+
+
+def plot_arms(curves: Mapping[str, Curve], path: Path) -> Path:
+    """Runs side by side (learning_curves.Curve by name): validation success with its 95% interval band, and the
+    actor entropy, against the PPO step."""
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(6.5, 7), sharex=True)
+    for name, curve in curves.items():
+        if curve.points:
+            steps = [p.step for p in curve.points]
+            line, = top.plot(steps, [p.success for p in curve.points], marker=".", label=name)
+            top.fill_between(steps, [p.low for p in curve.points], [p.high for p in curve.points],
+                             color=line.get_color(), alpha=0.2)
+        if curve.entropy:
+            bottom.plot(*zip(*curve.entropy), label=name)
+    episodes = sorted({c.episodes for c in curves.values()})
+    top.set(ylabel=f"validation success ({'/'.join(map(str, episodes))} episodes, 95% CI)", ylim=(0, 1))
+    bottom.set(xlabel="PPO step", ylabel="actor entropy")
+    top.legend()
+    bottom.legend()
+    return _save(fig, path)
 
 
 def plot_dir(path: Path, out_dir: Path | None = None) -> list[Path]:

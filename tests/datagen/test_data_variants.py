@@ -1,5 +1,6 @@
-"""Data-side ablations of stage 1: self-belief rows (no substitution), random coordinates, and the format filter
-that the FrozenLake and Sudoku entry configs apply by default (spec §2.1)."""
+"""Data-side ablations of stage 1: self-belief rows (no substitution), random coordinates, the format filter
+that the FrozenLake and Sudoku entry configs apply by default (spec §2.1), and the rows without world model (the
+control arm of issue 13)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from SPA_agent.config import compose
-from SPA_agent.data_variants import randomize_coordinates
+from SPA_agent.data_variants import randomize_coordinates, strip_worldmodel, without_worldmodel_row
 from SPA_agent.generate_sft_data import DATA_FILES, format_filtered, generate, prepare_data_gen_config
 from SPA_agent.worldmodel import extract_states, parse_state
 
@@ -105,3 +106,33 @@ def test_random_coordinate_rows_have_true_grids_and_random_coordinates(tmp_path)
         assert PAIR.sub("", observation) == PAIR.sub("", true)
         differs += observation != true
     assert differs > 0
+
+
+def test_strip_worldmodel_keeps_thoughts_and_answer_in_the_base_format():
+    response = ("<think> <observation>#P#\nPlayer (P) is at (0,1).</observation> go left <prediction>P_#"
+                "</prediction></think> <answer>Left || Up</answer>")
+    assert strip_worldmodel(response) == "<think>go left</think><answer>Left || Up</answer>"
+    # Not in the world-model format (no observation first): only the state blocks go.
+    assert strip_worldmodel("<think>hm <prediction>x</prediction></think><answer>Up</answer>") == \
+        "<think>hm </think><answer>Up</answer>"
+
+
+@pytest.mark.parametrize("config_name, tag", [("_2_sokoban", "SimpleSokoban"), ("_3_frozen_lake", "FrozenLake")])
+def test_rows_without_world_model_are_the_base_mode_rows_of_the_same_trajectories(tmp_path, config_name, tag):
+    """The random generator draws the same actions in both prompt modes, so base-mode self-play on the same seeds
+    plays the same trajectories: stripping the world-model rows must give exactly its rows."""
+    rows = {}
+    for mode in ("add_worldmodel", "base"):
+        generate(data_gen_config(config_name, tmp_path / mode, "generator=random", f"data_gen.prompt_mode={mode}",
+                                 "data_gen.format_filter=false", *SMALL))
+        rows[mode] = _rows(tmp_path / mode)
+    env = compose(config_name, ["model=tiny"]).custom_envs[tag]
+    assert len(rows["base"]) == len(rows["add_worldmodel"]) > 4
+    for wm_row, base_row in zip(rows["add_worldmodel"], rows["base"]):
+        assert (wm_row["trajectory_id"], wm_row["turn"]) == (base_row["trajectory_id"], base_row["turn"])
+        assert "<observation>" in wm_row["response"]
+        prompt, response = without_worldmodel_row(wm_row["prompt"], wm_row["response"],
+                                                  env.env_instruction_add_worldmodel, env.env_instruction)
+        assert (prompt, response) == (base_row["prompt"], base_row["response"])
+    with pytest.raises(ValueError, match="add_worldmodel instruction"):
+        without_worldmodel_row(rows["base"][0]["prompt"], "", env.env_instruction_add_worldmodel, env.env_instruction)

@@ -1,0 +1,100 @@
+"""benchmarks/spa_arms.py (issue 13's three arms) end to end at CPU sizes on the tiny model: every stage, the
+report's columns, the control arm's data, a rerun that skips everything, status lines and refused settings."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+ARMS = ("spa", "nowm", "released")
+TINY = [
+    "--model", "tiny", "--data-batches", "1", "--ppo-steps", "1", "--test-freq", "1", "--save-freq", "1",
+    "--val-groups", "2", "--val-group-size", "2", "--wm-puzzles", "1",
+    "--overrides", "es_manager.train.env_groups=2 es_manager.train.group_size=2 es_manager.train.env_configs.n_groups=[2] "
+    "agent_proxy.max_turn=2 ppo_mini_batch_size=2 micro_batch_size_per_gpu=2 "
+    "actor_rollout_ref.rollout.rollout_filter_ratio=1 actor_rollout_ref.rollout.response_length=16",
+    "--sft-overrides", "trainer.total_training_steps=1 data.train_batch_size=2 trainer.device=cpu",
+]
+
+
+def arms(stage, out, *args):
+    return subprocess.run([sys.executable, str(REPO / "benchmarks/spa_arms.py"), stage, "--out", str(out), *args],
+                          capture_output=True, text=True, check=False, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.slow
+def test_three_arms_run_end_to_end_then_skip_on_rerun(tmp_path):
+    out = tmp_path / "arms"
+    result = arms("all", out, *TINY)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+    # Arm (b)'s data: the same trajectories and turns, no world-model blocks anywhere, base prompts.
+    for split in ("wm_train", "wm_val"):
+        wm, nowm = (pq.read_table(out / d / f"{split}.parquet").to_pylist() for d in ("data", "data_nowm"))
+        assert len(wm) == len(nowm) > 0
+        for a, b in zip(wm, nowm):
+            assert (a["trajectory_id"], a["turn"], a["seed"]) == (b["trajectory_id"], b["turn"], b["seed"])
+            assert "<observation>" in a["response"]
+            text = b["response"] + "".join(m["content"] for m in b["prompt"])
+            assert "<observation>" not in text and "<prediction>" not in text
+            assert b["response"].endswith(a["response"][a["response"].index("<answer>"):])  # same actions
+
+    # Every arm: an SFT checkpoint, a 1-step PPO run with validation at steps 0 and 1, world-model evaluations.
+    report = json.loads((out / "report/report.json").read_text())
+    for arm in ARMS:
+        assert (out / json.loads((out / f"sft/{arm}.json").read_text())["checkpoint"] / "config.json").is_file()
+        assert [p["step"] for p in report["arms"][arm]["validation"]] == [0, 1]
+        assert report["arms"][arm]["episodes"] == 4
+        assert [step for step, _ in report["arms"][arm]["entropy"]] == [1]
+        for which in ("sft", "ppo"):
+            assert json.loads((out / f"eval/{arm}/{which}/eval.json").read_text())["prompt_mode"] == "add_worldmodel"
+            assert report["arms"][arm]["worldmodel"][which]["format"] is not None
+    table = (out / "report/report.md").read_text()
+    assert ("| arm | SFT init success (step 0) | final success | change (points) | intervals overlap | "
+            "world model after SFT | world model after PPO | actor entropy (first → last step) |") in table
+    assert "| step | spa | nowm | released |" in table and "\n| 1 | " in table
+    assert (out / "report/arms.png").stat().st_size > 1000
+
+    out = out.rename(tmp_path / "moved")  # the experiment directory may move (copied off a machine and back)
+    rerun = arms("all", out)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    # data, 3 SFT, 6 evaluations (the PPO runs are finished now), 3 PPO, 6 evaluations: nothing starts again.
+    assert ": started (pid" not in rerun.stdout and rerun.stdout.count("complete, skipped") == 1 + 3 + 6 + 3 + 6
+
+    status = arms("status", out).stdout.splitlines()
+    assert len(status) == 2 + 3 + 3 + 6 + 1
+    assert all("step 1/1" in line and line.split()[1] == "done;" for line in status if line.startswith("ppo/"))
+
+    refused = arms("ppo", out, "--sft-lr", "1e-3")
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "sft_lr (0.0005 -> 0.001)" in refused.stderr
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("spa_arms", REPO / "benchmarks/spa_arms.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("spa_arms", module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_jobs_run_in_parallel_on_their_devices_and_a_failure_is_reported_after_all_ended(tmp_path):
+    script = _load_script()
+    exp = script.Experiment(tmp_path, script.Settings(max_parallel=2, devices="3,5"))
+    show = "import os, sys; print(os.environ['CUDA_VISIBLE_DEVICES']); sys.exit({})"
+    jobs = [script.Job(name, [sys.executable, "-c", show.format(rc)], lambda: False)
+            for name, rc in (("a", 0), ("b", 1), ("c", 0))]
+    with pytest.raises(script.StageError, match="^b failed"):
+        script.run_jobs(exp, jobs)
+    logs = {name: (tmp_path / f"logs/{name}.log").read_text().splitlines()[-1] for name in "abc"}
+    assert logs == {"a": "3", "b": "5", "c": "3"}
+    assert {name: (tmp_path / f"logs/{name}.rc").read_text() for name in "abc"} == {"a": "0", "b": "1", "c": "0"}
+    assert [script.job_state(exp, name) for name in "ab"] == ["exited 0", f"failed (exit 1, {tmp_path}/logs/b.log)"]
