@@ -14,6 +14,8 @@ from torch import nn
 from verl import DataProto
 from verl.utils import torch_functional as verl_F
 
+from SPA_agent.trainer.packing import SEGMENTS_KWARG, PackedRows
+
 #: batch keys a forward pass reads
 MODEL_INPUT_KEYS = ("input_ids", "attention_mask", "position_ids")
 
@@ -65,10 +67,12 @@ def _set_gradient_checkpointing(model: nn.Module, enabled: bool) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def micro_batches(batch: DataProto, size: int, keys: tuple[str, ...], device: torch.device) -> Iterator[dict]:
-    """Consecutive micro-batches of `size` rows as dicts of the given tensors on `device`."""
-    for start in range(0, len(batch), size):
-        yield {key: batch.batch[key][start : start + size].to(device) for key in keys}
+def micro_batches(batch: DataProto, plan: list[list[int]], keys: tuple[str, ...], device: torch.device
+                  ) -> Iterator[dict]:
+    """One dict of the given tensors on `device` per micro-batch of `plan` (row indices, see packing.py)."""
+    for rows in plan:
+        index = torch.tensor(rows)
+        yield {key: batch.batch[key][index].to(device) for key in keys}
 
 
 def _forward(model: nn.Module, micro: dict) -> torch.Tensor:
@@ -76,16 +80,38 @@ def _forward(model: nn.Module, micro: dict) -> torch.Tensor:
     return model(**inputs, use_cache=False).logits
 
 
+def _packed_forward(model: nn.Module, packed: PackedRows) -> torch.Tensor:
+    """Model output (L, ·) of a packed row (the model must use packing.enable_packed_attention)."""
+    return model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
+                 **{SEGMENTS_KWARG: packed.segments}).logits[0]
+
+
 def token_log_probs(
-    model: nn.Module, micro: dict, temperature: float, with_entropy: bool
+    model: nn.Module, micro: dict, temperature: float, with_entropy: bool, packed: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log π(input_ids[:, j+1] | ≤ j) from temperature-scaled logits, (b, T-1); and the entropy if asked."""
+    """log π(input_ids[:, j+1] | ≤ j) from temperature-scaled logits, (b, T-1); and the entropy if asked.
+
+    `packed`: the micro-batch runs as one padding-free row (packing.py); positions without a next token of the
+    same trajectory (padding) are 0 instead of the padded path's values computed from padding.
+    """
+    if packed:
+        rows = PackedRows.pack(micro)
+        logits = _packed_forward(model, rows).float() / temperature  # (L, V)
+        keep = rows.next_token_positions()
+        targets = torch.roll(rows.input_ids[0], -1)
+        log_probs = rows.unpack(verl_F.logprobs_from_logits(logits, targets), keep)
+        entropy = rows.unpack(verl_F.entropy_from_logits(logits), keep) if with_entropy else None
+        return log_probs, entropy
     logits = _forward(model, micro)[:, :-1].float() / temperature
     log_probs = verl_F.logprobs_from_logits(logits, micro["input_ids"][:, 1:])
     entropy = verl_F.entropy_from_logits(logits) if with_entropy else None
     return log_probs, entropy
 
 
-def token_values(model: nn.Module, micro: dict) -> torch.Tensor:
-    """V(state ≤ j) from the value head, (b, T-1), float32."""
+def token_values(model: nn.Module, micro: dict, packed: bool = False) -> torch.Tensor:
+    """V(state ≤ j) from the value head, (b, T-1), float32 (`packed`: padding positions are 0)."""
+    if packed:
+        rows = PackedRows.pack(micro)
+        values = _packed_forward(model, rows)[:, 0].float()
+        return rows.unpack(values, rows.cols < rows.shape[1] - 1)
     return _forward(model, micro)[:, :-1, 0].float()
