@@ -81,9 +81,9 @@ def _forward(model: nn.Module, micro: dict) -> torch.Tensor:
 
 
 def _packed_forward(model: nn.Module, packed: PackedRows) -> torch.Tensor:
-    """Model output (L, ·) of a packed row (the model must use packing.enable_packed_attention)."""
+    """Model output (1, L, ·) of a packed row (the model must use packing.enable_packed_attention)."""
     return model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
-                 **{SEGMENTS_KWARG: packed.segments}).logits[0]
+                 **{SEGMENTS_KWARG: packed.segments}).logits
 
 
 def token_log_probs(
@@ -96,11 +96,12 @@ def token_log_probs(
     """
     if packed:
         rows = PackedRows.pack(micro)
-        logits = _packed_forward(model, rows).float() / temperature  # (L, V)
+        # (1, L, V): verl's log-prob function loops over the first dimension
+        logits = _packed_forward(model, rows).float() / temperature
         keep = rows.next_token_positions()
-        targets = torch.roll(rows.input_ids[0], -1)
-        log_probs = rows.unpack(verl_F.logprobs_from_logits(logits, targets), keep)
-        entropy = rows.unpack(verl_F.entropy_from_logits(logits), keep) if with_entropy else None
+        targets = torch.roll(rows.input_ids, -1, dims=1)
+        log_probs = rows.unpack(verl_F.logprobs_from_logits(logits, targets)[0], keep)
+        entropy = rows.unpack(verl_F.entropy_from_logits(logits)[0], keep) if with_entropy else None
         return log_probs, entropy
     logits = _forward(model, micro)[:, :-1].float() / temperature
     log_probs = verl_F.logprobs_from_logits(logits, micro["input_ids"][:, 1:])
@@ -112,6 +113,6 @@ def token_values(model: nn.Module, micro: dict, packed: bool = False) -> torch.T
     """V(state ≤ j) from the value head, (b, T-1), float32 (`packed`: padding positions are 0)."""
     if packed:
         rows = PackedRows.pack(micro)
-        values = _packed_forward(model, rows)[:, 0].float()
+        values = _packed_forward(model, rows)[0, :, 0].float()
         return rows.unpack(values, rows.cols < rows.shape[1] - 1)
     return _forward(model, micro)[:, :-1, 0].float()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import rollout_shaped_batch
 
 from SPA_agent.trainer import local_models as lm
 from SPA_agent.trainer.local_backend import LocalBackend
@@ -13,16 +12,19 @@ from SPA_agent.trainer.packing import PackedRows, micro_batch_plan, plan_by_coun
 
 REFERENCE = ("use_dynamic_bsz=False", "micro_batch_size_per_gpu=1", "actor_rollout_ref.model.use_remove_padding=False",
              "critic.model.use_remove_padding=False")
-#: 5 trajectories of 14, 11, 9, 14, 6 real tokens: budget 24 packs some of them together, never all
+#: 5 trajectories of 14, 11, 9, 14, 6 real tokens: budget 24 packs some of them together, never all; with
+#: gradient checkpointing (the default), whose recomputation must see the packed segments too
 PACKED = ("use_dynamic_bsz=True", "ppo_max_token_len_per_gpu=24", "log_prob_max_token_len_per_gpu=24",
-          "actor_rollout_ref.model.use_remove_padding=True", "critic.model.use_remove_padding=True")
+          "actor_rollout_ref.model.use_remove_padding=True", "critic.model.use_remove_padding=True",
+          "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+          "critic.model.enable_gradient_checkpointing=True")
 LENGTHS = (14, 11, 9, 14, 6)
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-def ragged_batch(vocab_size: int):
-    """rollout_shaped_batch with 5 rows of LENGTHS real tokens (left padded), loss_mask on real positions only."""
-    batch = rollout_shaped_batch(vocab_size, rows=len(LENGTHS), length=max(LENGTHS))
+def ragged_batch(make_batch):
+    """A rollout-shaped batch with 5 rows of LENGTHS real tokens (left padded), loss_mask on real positions only."""
+    batch = make_batch(rows=len(LENGTHS), length=max(LENGTHS))
     t = batch.batch
     for row, n in enumerate(LENGTHS):
         t["attention_mask"][row] = 0
@@ -62,8 +64,8 @@ def test_packed_rows_concatenate_real_tokens_and_unpack_to_their_columns():
     assert unpacked.tolist() == [[0, 0, 1], [3, 4, 5]]
 
 
-def test_packed_log_probs_and_values_equal_padded(ppo_config, tiny_tokenizer):
-    batch = ragged_batch(len(tiny_tokenizer))
+def test_packed_log_probs_and_values_equal_padded(ppo_config, tiny_tokenizer, make_batch):
+    batch = ragged_batch(make_batch)
     t = batch.batch
     both_real = (t["attention_mask"][:, :-1] * t["attention_mask"][:, 1:]).bool()
     assert len(micro_batch_plan(t["attention_mask"], 1, True, 24)) == 3  # packing happens: 5 rows, 3 rows
@@ -82,7 +84,7 @@ def test_packed_log_probs_and_values_equal_padded(ppo_config, tiny_tokenizer):
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                                  "seq-mean-token-sum-norm", "token-sum"])
-def test_packed_updates_equal_micro_batch_1(ppo_config, tiny_tokenizer, agg):
+def test_packed_updates_equal_micro_batch_1(ppo_config, tiny_tokenizer, make_batch, agg):
     """Actor loss, entropy and grad norm, critic loss and grad norm: packed token-budget micro-batches against
     padded micro-batches of one trajectory, for every loss_agg_mode verl's agg_loss has."""
     metrics = []
@@ -91,7 +93,7 @@ def test_packed_updates_equal_micro_batch_1(ppo_config, tiny_tokenizer, agg):
                          "actor_rollout_ref.actor.kl_loss_coef=0.1", f"actor_rollout_ref.actor.loss_agg_mode={agg}",
                          f"critic.loss_agg_mode={agg}")
         backend = LocalBackend(cfg, tiny_tokenizer)
-        batch = ragged_batch(len(tiny_tokenizer))
+        batch = ragged_batch(make_batch)
         g = torch.Generator().manual_seed(1)
         batch.batch["advantages"] = torch.randn(batch.batch["loss_mask"].shape, generator=g)
         batch.batch["returns"] = torch.randn(batch.batch["loss_mask"].shape, generator=g)
