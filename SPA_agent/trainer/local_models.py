@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from verl import DataProto
 from verl.utils import torch_functional as verl_F
 
@@ -18,6 +19,10 @@ from SPA_agent.trainer.packing import SEGMENTS_KWARG, PackedRows
 
 #: batch keys a forward pass reads
 MODEL_INPUT_KEYS = ("input_ids", "attention_mask", "position_ids")
+#: float32 logits the packed log-prob head holds at once (1 GiB): it projects a packed row onto the vocabulary
+#: in chunks of LOGIT_ELEMENTS // vocab positions, recomputed in the backward pass, so the memory of a
+#: micro-batch's logits does not grow with its token budget
+LOGIT_ELEMENTS = 2**28
 
 
 def autocast(device: torch.device, cache_enabled: bool = True) -> contextlib.AbstractContextManager:
@@ -86,6 +91,31 @@ def _packed_forward(model: nn.Module, packed: PackedRows) -> torch.Tensor:
                  **{SEGMENTS_KWARG: packed.segments}).logits
 
 
+def _head_log_probs(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
+                    with_entropy: bool) -> torch.Tensor:
+    """(1 or 2, n): log-probs of `targets` (n,) under the temperature-scaled logits of `hidden` (n, H), and
+    the entropies when asked."""
+    logits = head(hidden).float()[None] / temperature  # (1, n, V): verl's log-prob function loops over dim 0
+    log_probs = verl_F.logprobs_from_logits(logits, targets[None])
+    return torch.cat([log_probs, verl_F.entropy_from_logits(logits)]) if with_entropy else log_probs
+
+
+def _packed_log_probs(model: nn.Module, rows: PackedRows, temperature: float, with_entropy: bool) -> torch.Tensor:
+    """(1 or 2, L) log-probs of each packed token's successor (and entropies), the vocabulary projection in
+    chunks of LOGIT_ELEMENTS (checkpointed when gradients are on)."""
+    hidden = model.base_model(input_ids=rows.input_ids, position_ids=rows.position_ids, use_cache=False,
+                              **{SEGMENTS_KWARG: rows.segments}).last_hidden_state[0]  # (L, H)
+    head = model.get_output_embeddings()
+    targets = torch.roll(rows.input_ids[0], -1)
+    chunk = max(1, LOGIT_ELEMENTS // head.out_features)
+    parts = []
+    for start in range(0, hidden.shape[0], chunk):
+        args = (head, hidden[start : start + chunk], targets[start : start + chunk], temperature, with_entropy)
+        parts.append(checkpoint(_head_log_probs, *args, use_reentrant=False) if torch.is_grad_enabled()
+                     else _head_log_probs(*args))
+    return torch.cat(parts, dim=1)
+
+
 def token_log_probs(
     model: nn.Module, micro: dict, temperature: float, with_entropy: bool, packed: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -96,13 +126,9 @@ def token_log_probs(
     """
     if packed:
         rows = PackedRows.pack(micro)
-        # (1, L, V): verl's log-prob function loops over the first dimension
-        logits = _packed_forward(model, rows).float() / temperature
+        out = _packed_log_probs(model, rows, temperature, with_entropy)
         keep = rows.next_token_positions()
-        targets = torch.roll(rows.input_ids, -1, dims=1)
-        log_probs = rows.unpack(verl_F.logprobs_from_logits(logits, targets)[0], keep)
-        entropy = rows.unpack(verl_F.entropy_from_logits(logits)[0], keep) if with_entropy else None
-        return log_probs, entropy
+        return rows.unpack(out[0], keep), (rows.unpack(out[1], keep) if with_entropy else None)
     logits = _forward(model, micro)[:, :-1].float() / temperature
     log_probs = verl_F.logprobs_from_logits(logits, micro["input_ids"][:, 1:])
     entropy = verl_F.entropy_from_logits(logits) if with_entropy else None

@@ -22,6 +22,12 @@ LENGTHS = (14, 11, 9, 14, 6)
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture(autouse=True)
+def _vocabulary_projection_in_chunks(monkeypatch, tiny_tokenizer):
+    """Packed log-probs project 5 positions at a time onto the vocabulary (checkpointed chunks, as on GPU)."""
+    monkeypatch.setattr(lm, "LOGIT_ELEMENTS", 5 * len(tiny_tokenizer))
+
+
 def ragged_batch(make_batch):
     """A rollout-shaped batch with 5 rows of LENGTHS real tokens (left padded), loss_mask on real positions only."""
     batch = make_batch(rows=len(LENGTHS), length=max(LENGTHS))
