@@ -151,6 +151,7 @@ def micro_batch_overrides(args) -> list[str]:
 
 def build_backend(args, model_dir: Path) -> LocalBackend:
     overrides = [
+        *(["model=small"] if args.model == "small" and not args.smoke else []),  # the preset's PPO settings
         f"model_path={model_dir}", f"trainer.device={'cpu' if args.smoke else 'cuda'}", "generator=hf",
         "generator.progress=False",
         f"generator.batch_size={'null' if args.gen_batch is None else args.gen_batch}",
