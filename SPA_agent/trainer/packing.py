@@ -114,13 +114,22 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0
     return torch.cat(outputs, dim=1), None
 
 
+def packed_sdpa_mask(*args, attention_mask=None, **kwargs):
+    """transformers mask builder: SDPA's, except without an `attention_mask` (packed rows, whose attention
+    splits them by trajectory; or unpadded rows, which SDPA runs causally without a mask): then no mask, so no
+    (L, L) block-diagonal mask is built for a packed row."""
+    from transformers.masking_utils import sdpa_mask
+
+    return None if attention_mask is None else sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
 def enable_packed_attention(model: nn.Module) -> None:
-    """Route `model`'s attention through `packed_sdpa_attention` (registered once, with SDPA's mask builder so
+    """Route `model`'s attention through `packed_sdpa_attention` (registered once, with `packed_sdpa_mask` so
     padded batches keep their masks). The setting is not saved with the checkpoint."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     if PACKED_ATTENTION not in AttentionInterface._global_mapping:
         AttentionInterface.register(PACKED_ATTENTION, packed_sdpa_attention)
-        ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_ATTENTION, sdpa_mask)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_ATTENTION, packed_sdpa_mask)
     model.config._attn_implementation = PACKED_ATTENTION
