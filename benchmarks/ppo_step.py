@@ -154,7 +154,7 @@ def build_backend(args, model_dir: Path) -> LocalBackend:
         *(["model=small"] if args.model == "small" and not args.smoke else []),  # the preset's PPO settings
         f"model_path={model_dir}", f"trainer.device={'cpu' if args.smoke else 'cuda'}", "generator=hf",
         "generator.progress=False",
-        f"generator.batch_size={'null' if args.gen_batch is None else args.gen_batch}",
+        f"generator.batch_size={'auto' if args.gen_batch is None else args.gen_batch}",
         f"generator.max_batch_tokens={args.gen_tokens}",
         f"actor_rollout_ref.rollout.response_length={args.response_len}", f"ppo_mini_batch_size={args.mini}",
         f"actor_rollout_ref.ref.offload_to_cpu={args.ref_on_cpu}", *micro_batch_overrides(args),
@@ -178,7 +178,8 @@ def main() -> None:
     parser.add_argument("--budget", type=int, help="ppo_max_token_len_per_gpu (update micro-batches)")
     parser.add_argument("--forward-budget", type=int, help="log_prob_max_token_len_per_gpu (no-grad passes)")
     parser.add_argument("--mini", type=int, default=64, help="trajectories per optimizer step (paper: 64)")
-    parser.add_argument("--gen-batch", type=int, help="most sequences per decode batch (default: no limit)")
+    parser.add_argument("--gen-batch", type=int, help="most sequences per decode batch (default: auto, no limit "
+                                                      "on GPU)")
     parser.add_argument("--gen-tokens", default="auto", help="generator.max_batch_tokens (auto, null or an int)")
     parser.add_argument("--ref-on-cpu", action="store_true", help="actor_rollout_ref.ref.offload_to_cpu")
     parser.add_argument("--repeats", type=int, default=1, help="timed repeats of the training phases")
@@ -205,7 +206,7 @@ def main() -> None:
                **({} if args.micro is not None else {
                    "budget": backend.cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu,
                    "forward_budget": backend.cfg.actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu}),
-               "gen_batch": args.gen_batch, "gen_tokens": args.gen_tokens,
+               "gen_batch": args.gen_batch or "auto", "gen_tokens": args.gen_tokens,
                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                "torch": torch.__version__,
                "sampled_tokens": sum(map(sum, roles)), "train_tokens": tokens,

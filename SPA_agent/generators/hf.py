@@ -1,9 +1,10 @@
 """Local generation with transformers (spec §7.2 sampling, on any device).
 
 Prompts arrive as token ids (`Prompt.prompt_ids`, forced response prefix included), are sorted by length,
-split into decode batches of at most `batch_size` sequences (None: no limit) and `max_batch_tokens` cache
-tokens (sequences × (padded prompt width + max_new_tokens); `auto`: what the GPU's free memory holds, no limit
-on CPU), left padded with the tokenizer's pad id and continued until each sequence emits an end-of-turn token
+split into decode batches of at most `batch_size` sequences (None: no limit; `auto`: no limit on GPU, where a
+decode step costs about the same for any batch, 64 on CPU, where a finished sequence still costs its share of
+every step) and `max_batch_tokens` cache tokens (sequences × (padded prompt width + max_new_tokens); `auto`:
+what the GPU's free memory holds, no limit on CPU), left padded with the tokenizer's pad id and continued until each sequence emits an end-of-turn token
 (the ids listed as eos in the model's generation config and the tokenizer) or reaches `max_new_tokens`. One
 call with all of a turn's prompts in one decode batch takes the fewest decode steps. Two decoders implement the same sampling (temperature → top-k → top-p → multinomial;
 greedy at temperature 0):
@@ -36,6 +37,8 @@ DECODERS = ("auto", "generate", "static")
 #: with max_batch_tokens=auto on GPU: the share of free GPU memory the KV cache of one decode batch may take (the
 #: rest is for prefill activations, logits and sampling)
 KV_MEMORY_SHARE = 0.5
+#: batch_size=auto on CPU
+CPU_BATCH_SIZE = 64
 
 
 def end_of_turn_ids(model, tokenizer) -> list[int]:
@@ -145,14 +148,14 @@ class HFGenerator:
         model,
         tokenizer,
         sampling: SamplingParams,
-        batch_size: int | None = 64,
+        batch_size: int | str | None = 64,
         decoder: str = "auto",
         cuda_graphs: bool = True,
         progress: bool = True,
         max_batch_tokens: int | str | None = None,
     ):
-        if batch_size is not None and batch_size < 1:
-            raise ValueError(f"generator.batch_size must be >= 1 or null, got {batch_size}")
+        if batch_size is not None and batch_size != "auto" and (not isinstance(batch_size, int) or batch_size < 1):
+            raise ValueError(f"generator.batch_size must be a positive integer, auto or null, got {batch_size!r}")
         if max_batch_tokens is not None and max_batch_tokens != "auto" and (
                 not isinstance(max_batch_tokens, int) or max_batch_tokens < 1):
             raise ValueError(f"generator.max_batch_tokens must be a positive integer, auto or null, "
@@ -160,10 +163,11 @@ class HFGenerator:
         if decoder not in DECODERS:
             raise ValueError(f"generator.decoder must be one of {DECODERS}, got {decoder!r}")
         self.model, self.tokenizer, self.sampling = model, tokenizer, sampling
-        self.batch_size, self.max_batch_tokens, self.progress = batch_size, max_batch_tokens, progress
+        self.max_batch_tokens, self.progress = max_batch_tokens, progress
         self.stop_ids = end_of_turn_ids(model, tokenizer)
         self.pad_id = pad_token_id(tokenizer, self.stop_ids)
         on_gpu = next(model.parameters()).device.type == "cuda"
+        self.batch_size = (None if on_gpu else CPU_BATCH_SIZE) if batch_size == "auto" else batch_size
         self.decoder = ("static" if on_gpu else "generate") if decoder == "auto" else decoder
         self.cuda_graphs = cuda_graphs and on_gpu
         self._static = None
@@ -177,7 +181,7 @@ class HFGenerator:
             model,
             tokenizer,
             SamplingParams.from_config(cfg),
-            batch_size=None if cfg.get("batch_size", 64) is None else int(cfg.get("batch_size", 64)),
+            batch_size=cfg.get("batch_size", 64),
             max_batch_tokens=cfg.get("max_batch_tokens"),
             decoder=str(cfg.get("decoder", "auto")),
             cuda_graphs=bool(cfg.get("cuda_graphs", True)),

@@ -128,6 +128,15 @@ def test_prefill_in_row_chunks_equals_one_prefill(varied_model, tiny_tokenizer, 
     assert ids(hf(varied_model, tiny_tokenizer, greedy, "static", batch_size=None).generate(prompts)) == whole
 
 
+def test_auto_limits_on_cpu_are_64_sequences_and_no_token_limit(varied_model, tiny_tokenizer):
+    generator = HFGenerator(varied_model, tiny_tokenizer, SamplingParams(), batch_size="auto",
+                            max_batch_tokens="auto")
+    assert generator.batch_size == 64
+    from SPA_agent.generators.hf import auto_batch_tokens
+
+    assert auto_batch_tokens(varied_model) is None
+
+
 def test_decode_batches_follow_row_and_token_limits():
     from SPA_agent.generators.hf import decode_batches
 
