@@ -103,8 +103,9 @@ def _head_log_probs(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor
 def _packed_log_probs(model: nn.Module, rows: PackedRows, temperature: float, with_entropy: bool) -> torch.Tensor:
     """(1 or 2, L) log-probs of each packed token's successor (and entropies), the vocabulary projection in
     chunks of LOGIT_ELEMENTS (checkpointed when gradients are on)."""
-    hidden = model.base_model(input_ids=rows.input_ids, position_ids=rows.position_ids, use_cache=False,
-                              **{SEGMENTS_KWARG: rows.segments}).last_hidden_state[0]  # (L, H)
+    # get_decoder(): the backbone, also through a PEFT wrapper (which forwards the call; LoRA layers sit inside)
+    hidden = model.get_decoder()(input_ids=rows.input_ids, position_ids=rows.position_ids, use_cache=False,
+                                 **{SEGMENTS_KWARG: rows.segments}).last_hidden_state[0]  # (L, H)
     head = model.get_output_embeddings()
     targets = torch.roll(rows.input_ids[0], -1)
     chunk = max(1, LOGIT_ELEMENTS // head.out_features)
