@@ -250,7 +250,8 @@ def run_rollout(args, device: torch.device) -> None:
             model,
             tokenizer,
             sampling,
-            batch_size=int(cfg.generator.batch_size),
+            batch_size=cfg.generator.batch_size,
+            max_batch_tokens=cfg.generator.max_batch_tokens,
             decoder=decoder,
             progress=False,
         )

@@ -1,16 +1,21 @@
-"""One PPO step of the `local` backend at the paper's batch, phase by phase, with peak GPU memory (issue 6).
+"""One PPO step of the `local` backend at the paper's batch, phase by phase, with peak GPU memory (issues 6, 17).
 
-A Qwen2.5-0.5B-shaped Qwen2 model with random weights is built here (no download) and saved to a temporary
-directory that the backend loads as actor, critic and reference. The rollout is synthetic but shaped like the
-paper's: 32 groups × 8 = 256 trajectories, 5 turns, each turn an observation of --obs-len random ids followed by
-up to --response-len (400) sampled tokens; a random-weight model almost never samples an end-of-turn id, so every
+A model of the --model shape (Qwen2.5-0.5B or 1.5B, or the embedded `small` ~25M model's shape) with random
+weights is built here (no download) and saved to a temporary directory that the backend loads as actor, critic
+and reference. The rollout is synthetic but shaped like the paper's: 32 groups × 8 = 256 trajectories, 5 turns,
+each turn an observation of --obs-len random ids followed by up to --response-len sampled tokens (400; 256 for
+`small`, its preset's); a random-weight Qwen-vocabulary model almost never samples an end-of-turn id, so every
 turn runs to the limit (an upper bound for generation). Generation goes through the backend's generator (`hf`,
-the actor's live weights). The StarPO-S filter keeps 25% of the groups (64 trajectories), on which the old
-log-probs, reference log-probs, values, critic update and actor update are timed (mini-batch 64,
---micro trajectories per micro-batch). Prints one JSON line per phase.
+the actor's live weights, one generate call per turn for all trajectories as the agent proxy does). The StarPO-S
+filter keeps 25% of the groups (64 trajectories), on which the old log-probs, reference log-probs, values,
+critic update and actor update are timed (mini-batch 64). Micro-batches follow the config's defaults (packed,
+token budgets: --budget, --forward-budget) unless --micro N asks for the padded path of N trajectories each
+(the paper's recipe is --micro 1). Prints one JSON line per phase (seconds, peak GPU memory) and a total;
+--json writes them all to a file.
 
-    python benchmarks/ppo_step.py                       # GPU, the paper's sizes, micro-batch 1
-    python benchmarks/ppo_step.py --micro 4             # larger micro-batches
+    python benchmarks/ppo_step.py --model 0.5b          # GPU, the paper's sizes, packed token budgets
+    python benchmarks/ppo_step.py --model small         # the small preset's shape
+    python benchmarks/ppo_step.py --model 0.5b --micro 1 --gen-batch 64   # the earlier recipe (baseline)
     python benchmarks/ppo_step.py --smoke               # CI size: tiny shape on CPU, seconds
 """
 
@@ -133,13 +138,26 @@ def train_phases(backend: LocalBackend, batch: DataProto, results: list[dict], t
         backend.update_actor(batch)
 
 
+def micro_batch_overrides(args) -> list[str]:
+    """--micro N: the padded path, N trajectories per micro-batch; else packed token-budget micro-batches."""
+    if args.micro is not None:
+        return ["use_dynamic_bsz=False", f"micro_batch_size_per_gpu={args.micro}",
+                "actor_rollout_ref.model.use_remove_padding=False", "critic.model.use_remove_padding=False"]
+    return ["use_dynamic_bsz=True", "actor_rollout_ref.model.use_remove_padding=True",
+            "critic.model.use_remove_padding=True",
+            *([f"ppo_max_token_len_per_gpu={args.budget}"] if args.budget else []),
+            *([f"log_prob_max_token_len_per_gpu={args.forward_budget}"] if args.forward_budget else [])]
+
+
 def build_backend(args, model_dir: Path) -> LocalBackend:
     overrides = [
+        *(["model=small"] if args.model == "small" and not args.smoke else []),  # the preset's PPO settings
         f"model_path={model_dir}", f"trainer.device={'cpu' if args.smoke else 'cuda'}", "generator=hf",
-        "generator.progress=False", f"generator.batch_size={args.gen_batch}",
-        f"actor_rollout_ref.rollout.response_length={args.response_len}",
-        f"micro_batch_size_per_gpu={args.micro}", f"ppo_mini_batch_size={args.mini}",
-        f"actor_rollout_ref.ref.offload_to_cpu={args.ref_on_cpu}",
+        "generator.progress=False",
+        f"generator.batch_size={'auto' if args.gen_batch is None else args.gen_batch}",
+        f"generator.max_batch_tokens={args.gen_tokens}",
+        f"actor_rollout_ref.rollout.response_length={args.response_len}", f"ppo_mini_batch_size={args.mini}",
+        f"actor_rollout_ref.ref.offload_to_cpu={args.ref_on_cpu}", *micro_batch_overrides(args),
     ]
     return LocalBackend(compose("_2_sokoban", overrides), IdTokenizer())
 
@@ -147,24 +165,34 @@ def build_backend(args, model_dir: Path) -> LocalBackend:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shape on CPU, small batch (CI)")
+    parser.add_argument("--model", choices=("0.5b", "1.5b", "small"), default="0.5b", help="model shape")
+    parser.add_argument("--json", type=Path, help="also write every result line to this file (a JSON list)")
     parser.add_argument("--trajectories", type=int, default=256, help="env_groups × group_size")
     parser.add_argument("--keep", type=int, default=64, help="trajectories left by the filter (ratio 0.25)")
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--prompt-len", type=int, default=300, help="tokens of system + first user message")
     parser.add_argument("--obs-len", type=int, default=60, help="tokens of each later user message")
-    parser.add_argument("--response-len", type=int, default=400, help="max new tokens per turn")
-    parser.add_argument("--micro", type=int, default=1, help="trajectories per micro-batch (paper: 1)")
+    parser.add_argument("--response-len", type=int, help="max new tokens per turn (400; small: 256)")
+    parser.add_argument("--micro", type=int, help="padded micro-batches of this many trajectories (paper: 1); "
+                                                  "default: packed token-budget micro-batches")
+    parser.add_argument("--budget", type=int, help="ppo_max_token_len_per_gpu (update micro-batches)")
+    parser.add_argument("--forward-budget", type=int, help="log_prob_max_token_len_per_gpu (no-grad passes)")
     parser.add_argument("--mini", type=int, default=64, help="trajectories per optimizer step (paper: 64)")
-    parser.add_argument("--gen-batch", type=int, default=64, help="sequences per generate call")
+    parser.add_argument("--gen-batch", type=int, help="most sequences per decode batch (default: auto, no limit "
+                                                      "on GPU)")
+    parser.add_argument("--gen-tokens", default="auto", help="generator.max_batch_tokens (auto, null or an int)")
     parser.add_argument("--ref-on-cpu", action="store_true", help="actor_rollout_ref.ref.offload_to_cpu")
     parser.add_argument("--repeats", type=int, default=1, help="timed repeats of the training phases")
     args = parser.parse_args()
     if args.smoke:
         args.trajectories, args.keep, args.mini, args.turns = 8, 4, 4, 2
-        args.prompt_len, args.obs_len, args.response_len, args.gen_batch = 32, 8, 16, 8
+        args.prompt_len, args.obs_len, args.response_len = 32, 8, 16
+        args.budget = args.budget or 64  # several packed micro-batches even at this size
     elif not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --smoke on CPU")
-    shape = "tiny" if args.smoke else "0.5b"
+    shape = "tiny" if args.smoke else args.model
+    if args.response_len is None:
+        args.response_len = 256 if shape == "small" else 400
     with tempfile.TemporaryDirectory() as tmp:
         backend = build_backend(args, save_random_model(shape, Path(tmp)))
         results: list[dict] = []
@@ -173,7 +201,14 @@ def main() -> None:
         tokens = int(training_batch(ids, roles, args.keep).batch["attention_mask"].sum())
         for _ in range(args.repeats):  # a fresh batch each time: the phases add keys to it
             train_phases(backend, training_batch(ids, roles, args.keep), results, tokens)
-    summary = {"metric": "ppo_step/total", "unit": "s", "shape": shape, "micro": args.micro,
+    summary = {"metric": "ppo_step/total", "unit": "s", "shape": shape,
+               "micro": args.micro if args.micro is not None else "packed",
+               **({} if args.micro is not None else {
+                   "budget": backend.cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu,
+                   "forward_budget": backend.cfg.actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu}),
+               "gen_batch": args.gen_batch or "auto", "gen_tokens": args.gen_tokens,
+               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+               "torch": torch.__version__,
                "sampled_tokens": sum(map(sum, roles)), "train_tokens": tokens,
                "seconds": round(sum(r["seconds"] for r in results if r["metric"] == "ppo_step/generation")
                                 + sum(statistics.median(r["seconds"] for r in results if r["metric"] == m)
@@ -181,6 +216,8 @@ def main() -> None:
     if torch.cuda.is_available():
         summary["peak_mem_gib"] = max(r["peak_mem_gib"] for r in results)
     print(json.dumps(summary), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps([*results, summary], indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
 """Local generation with transformers (spec §7.2 sampling, on any device).
 
 Prompts arrive as token ids (`Prompt.prompt_ids`, forced response prefix included), are sorted by length,
-split into chunks of `batch_size`, left padded with the tokenizer's pad id and continued until each sequence
-emits an end-of-turn token (the ids listed as eos in the model's generation config and the tokenizer) or
-reaches `max_new_tokens`. Two decoders implement the same sampling (temperature → top-k → top-p → multinomial;
+split into decode batches of at most `batch_size` sequences (None: no limit; `auto`: no limit on GPU, where a
+decode step costs about the same for any batch, 64 on CPU, where a finished sequence still costs its share of
+every step) and `max_batch_tokens` cache tokens (sequences × (padded prompt width + max_new_tokens); `auto`:
+what the GPU's free memory holds, no limit on CPU), left padded with the tokenizer's pad id and continued until each sequence emits an end-of-turn token
+(the ids listed as eos in the model's generation config and the tokenizer) or reaches `max_new_tokens`. One
+call with all of a turn's prompts in one decode batch takes the fewest decode steps. Two decoders implement the same sampling (temperature → top-k → top-p → multinomial;
 greedy at temperature 0):
 
 - `generate`: transformers' `model.generate` (the CPU default);
@@ -31,6 +34,11 @@ from SPA_agent.generators.base import (
 from SPA_agent.progress import progress_bar
 
 DECODERS = ("auto", "generate", "static")
+#: with max_batch_tokens=auto on GPU: the share of free GPU memory the KV cache of one decode batch may take (the
+#: rest is for prefill activations, logits and sampling)
+KV_MEMORY_SHARE = 0.5
+#: batch_size=auto on CPU
+CPU_BATCH_SIZE = 64
 
 
 def end_of_turn_ids(model, tokenizer) -> list[int]:
@@ -55,6 +63,45 @@ def left_pad(batch: list[list[int]], pad_id: int, device: torch.device) -> tuple
         input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
         attention_mask[row, width - len(ids) :] = 1
     return input_ids.to(device), attention_mask.to(device)
+
+
+def kv_bytes_per_token(model) -> int:
+    """Bytes of keys and values one token occupies in the cache of every layer (the model's dtype)."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    element = next(model.parameters()).element_size()
+    return config.num_hidden_layers * 2 * kv_heads * head_dim * element
+
+
+def auto_batch_tokens(model) -> int | None:
+    """Cache tokens of one decode batch that KV_MEMORY_SHARE of the free GPU memory holds (memory the caching
+    allocator keeps in reserve counts as free); None (no limit) on CPU."""
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return max(1, int(KV_MEMORY_SHARE * free / kv_bytes_per_token(model)))
+
+
+def decode_batches(lengths: list[int], max_new_tokens: int, batch_size: int | None,
+                   max_batch_tokens: int | None, bucket: int = 1) -> list[list[int]]:
+    """Prompt indices of each decode batch: sorted by length, consecutive, each batch holding at most
+    `batch_size` prompts and `max_batch_tokens` cache tokens (prompts × (longest prompt rounded up to a multiple
+    of `bucket`, + max_new_tokens)); a prompt alone over the token limit still gets its own batch."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches: list[list[int]] = []
+    for index in order:
+        width = -(-lengths[index] // bucket) * bucket + max_new_tokens  # this prompt is the batch's longest
+        current = batches[-1] if batches else None
+        fits = current is not None and (batch_size is None or len(current) < batch_size) and (
+            max_batch_tokens is None or (len(current) + 1) * width <= max_batch_tokens)
+        if fits:
+            current.append(index)
+        else:
+            batches.append([index])
+    return batches
 
 
 def cut_at_stop(ids: list[int], stop_ids: set[int]) -> tuple[list[int], str]:
@@ -101,20 +148,26 @@ class HFGenerator:
         model,
         tokenizer,
         sampling: SamplingParams,
-        batch_size: int = 64,
+        batch_size: int | str | None = 64,
         decoder: str = "auto",
         cuda_graphs: bool = True,
         progress: bool = True,
+        max_batch_tokens: int | str | None = None,
     ):
-        if batch_size < 1:
-            raise ValueError(f"generator.batch_size must be >= 1, got {batch_size}")
+        if batch_size is not None and batch_size != "auto" and (not isinstance(batch_size, int) or batch_size < 1):
+            raise ValueError(f"generator.batch_size must be a positive integer, auto or null, got {batch_size!r}")
+        if max_batch_tokens is not None and max_batch_tokens != "auto" and (
+                not isinstance(max_batch_tokens, int) or max_batch_tokens < 1):
+            raise ValueError(f"generator.max_batch_tokens must be a positive integer, auto or null, "
+                             f"got {max_batch_tokens!r}")
         if decoder not in DECODERS:
             raise ValueError(f"generator.decoder must be one of {DECODERS}, got {decoder!r}")
         self.model, self.tokenizer, self.sampling = model, tokenizer, sampling
-        self.batch_size, self.progress = batch_size, progress
+        self.max_batch_tokens, self.progress = max_batch_tokens, progress
         self.stop_ids = end_of_turn_ids(model, tokenizer)
         self.pad_id = pad_token_id(tokenizer, self.stop_ids)
         on_gpu = next(model.parameters()).device.type == "cuda"
+        self.batch_size = (None if on_gpu else CPU_BATCH_SIZE) if batch_size == "auto" else batch_size
         self.decoder = ("static" if on_gpu else "generate") if decoder == "auto" else decoder
         self.cuda_graphs = cuda_graphs and on_gpu
         self._static = None
@@ -128,7 +181,8 @@ class HFGenerator:
             model,
             tokenizer,
             SamplingParams.from_config(cfg),
-            batch_size=int(cfg.get("batch_size", 64)),
+            batch_size=cfg.get("batch_size", 64),
+            max_batch_tokens=cfg.get("max_batch_tokens"),
             decoder=str(cfg.get("decoder", "auto")),
             cuda_graphs=bool(cfg.get("cuda_graphs", True)),
             progress=bool(cfg.get("progress", True)),
@@ -147,9 +201,13 @@ class HFGenerator:
         self._calls = int(state["calls"])
 
     def generate(self, prompts: list[Prompt]) -> list[Generation]:
-        """Continue every prompt; chunks of `batch_size` prompts of similar length share one padded batch."""
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i].prompt_ids))
-        chunks = [order[start : start + self.batch_size] for start in range(0, len(order), self.batch_size)]
+        """Continue every prompt; prompts of similar length share a padded decode batch (`decode_batches`)."""
+        from SPA_agent.generators.static_decode import PROMPT_BUCKET
+
+        budget = auto_batch_tokens(self.model) if self.max_batch_tokens == "auto" else self.max_batch_tokens
+        bucket = PROMPT_BUCKET if self.decoder == "static" and self.cuda_graphs else 1
+        chunks = decode_batches([len(p.prompt_ids) for p in prompts], self.sampling.max_new_tokens,
+                                self.batch_size, budget, bucket)
         generator = torch.Generator(self.device).manual_seed(call_seed(self.sampling.seed, self._calls))
         self._calls += 1
         results: list[Generation | None] = [None] * len(prompts)

@@ -4,8 +4,9 @@ Why not `model.generate`: with left padding, transformers' SDPA attention receiv
 every key/value head `num_attention_heads / num_key_value_heads` times per layer and step (`repeat_kv`), which
 dominates decoding time for GQA models at large batch. Here:
 
-- prefill runs the prompt once (the model's forward, SDPA attention) and writes keys/values into preallocated
-  buffers (B, H_kv, L, D), L = padded prompt width + max_new_tokens;
+- prefill runs the prompts once (the model's forward, SDPA attention; in row chunks of at most PREFILL_TOKENS
+  tokens, so a large batch's prefill activations stay small) and writes keys/values into preallocated buffers
+  (B, H_kv, L, D), L = padded prompt width + max_new_tokens;
 - each decode step feeds one token per sequence; attention treats the G = H / H_kv query heads that share a
   key/value head as G query rows of one SDPA call, so keys and values are read once and never copied;
 - on GPU the decode step (forward + mask update) is captured once per (B, L) in a CUDA graph and replayed,
@@ -34,6 +35,7 @@ ATTENTION_NAME = "spa_grouped_sdpa"
 # On GPU, prompt widths and cache lengths are multiples of this, so chunks of similar length share a graph.
 PROMPT_BUCKET = 64
 CHECK_EVERY = 16  # decode steps between checks whether every sequence has finished
+PREFILL_TOKENS = 32768  # prompt tokens (rows × padded width) per prefill forward; at least one row
 
 
 def grouped_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -87,26 +89,26 @@ class StaticKVCache(_cache_base()):
 
     Implements the part of transformers' Cache API that attention layers use (`update`); it subclasses `Cache`
     only so that type checks in model code accept it, and initialises none of its dynamic state.
-    While `prefilling`, the prompt's keys/values go to positions [0, P) and are returned as they are; a decode
-    step writes position `write_index` (a (1,) tensor, updated in place between CUDA-graph replays) and
-    returns the buffers.
+    While `prefill_rows` is a slice, the prompts' keys/values go to those rows at positions [0, P) and are
+    returned as they are; a decode step writes position `write_index` of every row (a (1,) tensor, updated in
+    place between CUDA-graph replays) and returns the buffers.
     """
 
-    def __init__(self, max_len: int, write_index: torch.Tensor):
-        self.max_len, self.write_index = max_len, write_index
-        self.prefilling = False
+    def __init__(self, batch: int, max_len: int, write_index: torch.Tensor):
+        self.batch, self.max_len, self.write_index = batch, max_len, write_index
+        self.prefill_rows: slice | None = None
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         if layer_idx == len(self.keys):
-            batch, kv_heads, _, head_dim = key_states.shape
-            shape = (batch, kv_heads, self.max_len, head_dim)
+            _, kv_heads, _, head_dim = key_states.shape
+            shape = (self.batch, kv_heads, self.max_len, head_dim)
             self.keys.append(key_states.new_zeros(shape))
             self.values.append(value_states.new_zeros(shape))
-        if self.prefilling:
-            self.keys[layer_idx][:, :, : key_states.shape[2]].copy_(key_states)
-            self.values[layer_idx][:, :, : value_states.shape[2]].copy_(value_states)
+        if self.prefill_rows is not None:
+            self.keys[layer_idx][self.prefill_rows, :, : key_states.shape[2]].copy_(key_states)
+            self.values[layer_idx][self.prefill_rows, :, : value_states.shape[2]].copy_(value_states)
             return key_states, value_states
         self.keys[layer_idx].index_copy_(2, self.write_index, key_states)
         self.values[layer_idx].index_copy_(2, self.write_index, value_states)
@@ -150,7 +152,7 @@ class _DecodeState:
         self.position_ids = torch.zeros((batch, 1), dtype=torch.long, device=device)
         self.write_index = torch.zeros(1, dtype=torch.long, device=device)
         self.attend = torch.zeros((batch, max_len), dtype=torch.bool, device=device)
-        self.cache = StaticKVCache(max_len, self.write_index)
+        self.cache = StaticKVCache(batch, max_len, self.write_index)
         self.graph, self.logits = None, None
         self.capture_s = 0.0
         self._use_cuda_graph = use_cuda_graph
@@ -251,30 +253,34 @@ class StaticDecoder:
     def _prefill(
         self, state: _DecodeState, input_ids: torch.Tensor, attention_mask: torch.Tensor
     ) -> torch.Tensor:
-        """Run the prompts (B, P), fill the cache, reset the decode mask; (B, V) logits of the first new
-        token."""
+        """Run the prompts (B, P) in row chunks of at most PREFILL_TOKENS tokens, fill the cache, reset the
+        decode mask; (B, V) logits of the first new token."""
         width = input_ids.shape[1]
         keys = attention_mask.bool()
         causal = torch.ones((width, width), dtype=torch.bool, device=self.device).tril()
-        mask = (causal[None] & keys[:, None, :]) | torch.eye(width, dtype=torch.bool, device=self.device)[
-            None
-        ]
+        eye = torch.eye(width, dtype=torch.bool, device=self.device)
         position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-        state.cache.prefilling = True
+        rows_per_chunk = max(1, PREFILL_TOKENS // width)
+        logits = []
         try:
-            output = self.model(
-                input_ids=input_ids,
-                position_ids=position_ids,
-                attention_mask=mask[:, None],
-                past_key_values=state.cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
+            for start in range(0, input_ids.shape[0], rows_per_chunk):
+                rows = slice(start, start + rows_per_chunk)
+                mask = (causal[None] & keys[rows, None, :]) | eye[None]
+                state.cache.prefill_rows = rows
+                output = self.model(
+                    input_ids=input_ids[rows],
+                    position_ids=position_ids[rows],
+                    attention_mask=mask[:, None],
+                    past_key_values=state.cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+                logits.append(output.logits[:, -1].float())
         finally:
-            state.cache.prefilling = False
+            state.cache.prefill_rows = None
         state.attend.zero_()
         state.attend[:, :width] = keys
-        return output.logits[:, -1].float()
+        return torch.cat(logits)
 
     def _decode(
         self,

@@ -3,7 +3,9 @@
 Log-probs and values are computed in micro-batches over all T-1 positions; updates follow spec §10.3 steps 7–8
 with the losses of `verl.trainer.ppo.core_algos`. Gradients accumulate over the micro-batches of a mini-batch
 with the loss normalised by the mini-batch's token (or trajectory) count, so the update does not depend on
-the micro-batch size. Generation goes through the generator interface using the actor's current weights. With
+the micro-batch size. Micro-batches are either fixed row counts or token budgets (`use_dynamic_bsz`), run padded
+or packed without padding (`use_remove_padding`; trainer/packing.py): the losses see the same (b, T-1) tensors
+either way. Generation goes through the generator interface using the actor's current weights. With
 `<role>.model.lora_rank > 0` the actor and critic train LoRA adapters and the reference policy is the actor with
 its adapters disabled (`lora.py`).
 """
@@ -25,6 +27,7 @@ from SPA_agent.tiny import resolve_model_path
 from SPA_agent.trainer import local_models as lm
 from SPA_agent.trainer import lora
 from SPA_agent.trainer.algos import needs_critic
+from SPA_agent.trainer.packing import enable_packed_attention, micro_batch_plan
 
 OPTIMIZER_FILE = "optimizer.pt"
 
@@ -100,6 +103,12 @@ class LocalBackend:
         ref_device = torch.device("cpu") if arr.ref.offload_to_cpu else self.device
         self.ref = lm.load_reference(self.model_path, ref_device) \
             if self.has_ref and not lora.is_lora(self.actor.model) else None
+        self.packed_actor = bool(arr.model.use_remove_padding)
+        self.packed_critic = self.critic is not None and bool(cfg.critic.model.use_remove_padding)
+        for model, packed in ((self.actor.model, self.packed_actor), (self.ref, self.packed_actor),
+                              (self.critic.model if self.critic else None, self.packed_critic)):
+            if model is not None and packed:
+                enable_packed_attention(model)
         self.temperature = float(arr.rollout.temperature)
         self.policy_loss_fn = core_algos.get_policy_loss_fn(arr.actor.policy_loss.loss_mode)
         self.policy_loss_cfg = ActorConfig(
@@ -173,43 +182,62 @@ class LocalBackend:
 
     # ---------------------------------------------------------------- inference passes
 
+    @staticmethod
+    def _plan(batch: DataProto, micro: int, dynamic: bool, budget: int) -> list[list[int]]:
+        """Row indices of each micro-batch: `micro` rows each, or at most `budget` tokens each when `dynamic`."""
+        return micro_batch_plan(batch.batch["attention_mask"], micro, dynamic, budget)
+
+    @staticmethod
+    def _in_batch_order(parts: list[torch.Tensor], plan: list[list[int]]) -> torch.Tensor:
+        """Micro-batch outputs (in plan order) back in the batch's row order."""
+        out = torch.cat(parts)
+        order = torch.tensor([row for rows in plan for row in rows])
+        return out[torch.argsort(order)]
+
     @torch.no_grad()
-    def _log_probs(self, model: nn.Module, batch: DataProto, micro: int, with_entropy: bool):
+    def _log_probs(self, model: nn.Module, batch: DataProto, plan: list[list[int]], with_entropy: bool):
         model.eval()
         device = next(model.parameters()).device
         log_probs, entropies = [], []
-        for mb in lm.micro_batches(batch, micro, lm.MODEL_INPUT_KEYS, device):
+        for mb in lm.micro_batches(batch, plan, lm.MODEL_INPUT_KEYS, device):
             with lm.autocast(device):
-                lp, ent = lm.token_log_probs(model, mb, self.temperature, with_entropy)
+                lp, ent = lm.token_log_probs(model, mb, self.temperature, with_entropy, packed=self.packed_actor)
             log_probs.append(lp.cpu())
             entropies.append(ent.cpu() if ent is not None else None)
-        return torch.cat(log_probs), (torch.cat(entropies) if with_entropy else None)
+        return (self._in_batch_order(log_probs, plan),
+                self._in_batch_order(entropies, plan) if with_entropy else None)
 
     def compute_log_prob(self, batch: DataProto) -> DataProto:
-        micro = self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
-        log_probs, entropy = self._log_probs(self.actor.model, batch, micro, with_entropy=True)
+        cfg = self.cfg.actor_rollout_ref.rollout
+        plan = self._plan(batch, cfg.log_prob_micro_batch_size_per_gpu, cfg.log_prob_use_dynamic_bsz,
+                          cfg.log_prob_max_token_len_per_gpu)
+        log_probs, entropy = self._log_probs(self.actor.model, batch, plan, with_entropy=True)
         return DataProto.from_dict(tensors={"old_log_probs": log_probs, "entropys": entropy})
 
     def compute_ref_log_prob(self, batch: DataProto) -> DataProto:
         if not self.has_ref:
             raise ValueError("no reference model: set actor_rollout_ref.actor.use_ref=True")
-        micro = self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
+        cfg = self.cfg.actor_rollout_ref.ref
+        plan = self._plan(batch, cfg.log_prob_micro_batch_size_per_gpu, cfg.log_prob_use_dynamic_bsz,
+                          cfg.log_prob_max_token_len_per_gpu)
         if self.ref is not None:
-            log_probs, _ = self._log_probs(self.ref, batch, micro, with_entropy=False)
+            log_probs, _ = self._log_probs(self.ref, batch, plan, with_entropy=False)
         else:  # LoRA: the base model is the actor without its adapters
             with self.actor.model.disable_adapter():
-                log_probs, _ = self._log_probs(self.actor.model, batch, micro, with_entropy=False)
+                log_probs, _ = self._log_probs(self.actor.model, batch, plan, with_entropy=False)
         return DataProto.from_dict(tensors={"ref_log_prob": log_probs})
 
     @torch.no_grad()
     def compute_values(self, batch: DataProto) -> DataProto:
-        model = self.critic.model.eval()
+        cfg, model = self.cfg.critic, self.critic.model.eval()
         keys = (*lm.MODEL_INPUT_KEYS, "response_mask")
+        plan = self._plan(batch, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
+                          cfg.forward_max_token_len_per_gpu)
         values = []
-        for mb in lm.micro_batches(batch, self.cfg.critic.ppo_micro_batch_size_per_gpu, keys, self.device):
+        for mb in lm.micro_batches(batch, plan, keys, self.device):
             with lm.autocast(self.device):
-                values.append((lm.token_values(model, mb) * mb["response_mask"]).cpu())
-        return DataProto.from_dict(tensors={"values": torch.cat(values)})
+                values.append((lm.token_values(model, mb, packed=self.packed_critic) * mb["response_mask"]).cpu())
+        return DataProto.from_dict(tensors={"values": self._in_batch_order(values, plan)})
 
     # ---------------------------------------------------------------- updates
 
@@ -226,9 +254,10 @@ class LocalBackend:
         for mini in self._mini_batches(batch, cfg):
             norm = _loss_normalisers(mini.batch["response_mask"], cfg.get("loss_scale_factor"))
             loss_sum = 0.0
-            for mb in lm.micro_batches(mini, cfg.ppo_micro_batch_size_per_gpu, keys, self.device):
+            plan = self._plan(mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu)
+            for mb in lm.micro_batches(mini, plan, keys, self.device):
                 with lm.autocast(self.device):
-                    vpreds = lm.token_values(model, mb)
+                    vpreds = lm.token_values(model, mb, packed=self.packed_critic)
                 vf_loss, vf_clipfrac = core_algos.compute_value_loss(
                     vpreds=vpreds, returns=mb["returns"], values=mb["values"], response_mask=mb["response_mask"],
                     cliprange_value=cfg.cliprange_value, loss_agg_mode=cfg.loss_agg_mode, **norm,
@@ -246,7 +275,8 @@ class LocalBackend:
         cfg = self.cfg.actor_rollout_ref.actor
         mask = mb["response_mask"]
         with lm.autocast(self.device):
-            log_prob, entropy = lm.token_log_probs(self.actor.model, mb, self.temperature, with_entropy=True)
+            log_prob, entropy = lm.token_log_probs(self.actor.model, mb, self.temperature, with_entropy=True,
+                                                   packed=self.packed_actor)
         self.policy_loss_cfg.global_batch_info.update(norm)
         pg_loss, pg_metrics = self.policy_loss_fn(
             old_log_prob=mb["old_log_probs"], log_prob=log_prob, advantages=mb["advantages"],
@@ -273,7 +303,8 @@ class LocalBackend:
         for mini in self._mini_batches(batch, cfg):
             norm = _loss_normalisers(mini.batch["response_mask"], cfg.get("loss_scale_factor"))
             totals: dict[str, float] = {}
-            for mb in lm.micro_batches(mini, cfg.ppo_micro_batch_size_per_gpu, keys, self.device):
+            plan = self._plan(mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu)
+            for mb in lm.micro_batches(mini, plan, keys, self.device):
                 loss, metrics = self._actor_micro_loss(mb, norm)
                 loss.backward()
                 for key in summed:

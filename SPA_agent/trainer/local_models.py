@@ -12,13 +12,19 @@ from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from verl import DataProto
 from verl.utils import torch_functional as verl_F
 
 from SPA_agent.trainer import lora
+from SPA_agent.trainer.packing import SEGMENTS_KWARG, PackedRows
 
 #: batch keys a forward pass reads
 MODEL_INPUT_KEYS = ("input_ids", "attention_mask", "position_ids")
+#: float32 logits the packed log-prob head holds at once (1 GiB): it projects a packed row onto the vocabulary
+#: in chunks of LOGIT_ELEMENTS // vocab positions, recomputed in the backward pass, so the memory of a
+#: micro-batch's logits does not grow with its token budget
+LOGIT_ELEMENTS = 2**28
 
 
 def autocast(device: torch.device, cache_enabled: bool = True) -> contextlib.AbstractContextManager:
@@ -96,10 +102,12 @@ def _set_gradient_checkpointing(model: nn.Module, enabled: bool) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def micro_batches(batch: DataProto, size: int, keys: tuple[str, ...], device: torch.device) -> Iterator[dict]:
-    """Consecutive micro-batches of `size` rows as dicts of the given tensors on `device`."""
-    for start in range(0, len(batch), size):
-        yield {key: batch.batch[key][start : start + size].to(device) for key in keys}
+def micro_batches(batch: DataProto, plan: list[list[int]], keys: tuple[str, ...], device: torch.device
+                  ) -> Iterator[dict]:
+    """One dict of the given tensors on `device` per micro-batch of `plan` (row indices, see packing.py)."""
+    for rows in plan:
+        index = torch.tensor(rows)
+        yield {key: batch.batch[key][index].to(device) for key in keys}
 
 
 def _forward(model: nn.Module, micro: dict) -> torch.Tensor:
@@ -107,16 +115,61 @@ def _forward(model: nn.Module, micro: dict) -> torch.Tensor:
     return model(**inputs, use_cache=False).logits
 
 
+def _packed_forward(model: nn.Module, packed: PackedRows) -> torch.Tensor:
+    """Model output (1, L, ·) of a packed row (the model must use packing.enable_packed_attention)."""
+    return model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
+                 **{SEGMENTS_KWARG: packed.segments}).logits
+
+
+def _head_log_probs(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
+                    with_entropy: bool) -> torch.Tensor:
+    """(1 or 2, n): log-probs of `targets` (n,) under the temperature-scaled logits of `hidden` (n, H), and
+    the entropies when asked."""
+    logits = head(hidden).float()[None] / temperature  # (1, n, V): verl's log-prob function loops over dim 0
+    log_probs = verl_F.logprobs_from_logits(logits, targets[None])
+    return torch.cat([log_probs, verl_F.entropy_from_logits(logits)]) if with_entropy else log_probs
+
+
+def _packed_log_probs(model: nn.Module, rows: PackedRows, temperature: float, with_entropy: bool) -> torch.Tensor:
+    """(1 or 2, L) log-probs of each packed token's successor (and entropies), the vocabulary projection in
+    chunks of LOGIT_ELEMENTS (checkpointed when gradients are on)."""
+    # get_decoder(): the backbone, also through a PEFT wrapper (which forwards the call; LoRA layers sit inside)
+    hidden = model.get_decoder()(input_ids=rows.input_ids, position_ids=rows.position_ids, use_cache=False,
+                                 **{SEGMENTS_KWARG: rows.segments}).last_hidden_state[0]  # (L, H)
+    head = model.get_output_embeddings()
+    targets = torch.roll(rows.input_ids[0], -1)
+    chunk = max(1, LOGIT_ELEMENTS // head.out_features)
+    parts = []
+    for start in range(0, hidden.shape[0], chunk):
+        args = (head, hidden[start : start + chunk], targets[start : start + chunk], temperature, with_entropy)
+        parts.append(checkpoint(_head_log_probs, *args, use_reentrant=False) if torch.is_grad_enabled()
+                     else _head_log_probs(*args))
+    return torch.cat(parts, dim=1)
+
+
 def token_log_probs(
-    model: nn.Module, micro: dict, temperature: float, with_entropy: bool
+    model: nn.Module, micro: dict, temperature: float, with_entropy: bool, packed: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log π(input_ids[:, j+1] | ≤ j) from temperature-scaled logits, (b, T-1); and the entropy if asked."""
+    """log π(input_ids[:, j+1] | ≤ j) from temperature-scaled logits, (b, T-1); and the entropy if asked.
+
+    `packed`: the micro-batch runs as one padding-free row (packing.py); positions without a next token of the
+    same trajectory (padding) are 0 instead of the padded path's values computed from padding.
+    """
+    if packed:
+        rows = PackedRows.pack(micro)
+        out = _packed_log_probs(model, rows, temperature, with_entropy)
+        keep = rows.next_token_positions()
+        return rows.unpack(out[0], keep), (rows.unpack(out[1], keep) if with_entropy else None)
     logits = _forward(model, micro)[:, :-1].float() / temperature
     log_probs = verl_F.logprobs_from_logits(logits, micro["input_ids"][:, 1:])
     entropy = verl_F.entropy_from_logits(logits) if with_entropy else None
     return log_probs, entropy
 
 
-def token_values(model: nn.Module, micro: dict) -> torch.Tensor:
-    """V(state ≤ j) from the value head, (b, T-1), float32."""
+def token_values(model: nn.Module, micro: dict, packed: bool = False) -> torch.Tensor:
+    """V(state ≤ j) from the value head, (b, T-1), float32 (`packed`: padding positions are 0)."""
+    if packed:
+        rows = PackedRows.pack(micro)
+        values = _packed_forward(model, rows)[0, :, 0].float()
+        return rows.unpack(values, rows.cols < rows.shape[1] - 1)
     return _forward(model, micro)[:, :-1, 0].float()

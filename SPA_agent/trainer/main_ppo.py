@@ -39,11 +39,12 @@ OWNED_OUTPUTS = ("global_step_*", ".global_step_*.partial", "latest_checkpointed
                  "config.yaml", "wandb", run_identity.IDENTITY_FILE)
 FRESH_HINT = "pass trainer.resume_mode=disable"
 OOM_ADVICE = (
-    "out of GPU memory. Lower micro_batch_size_per_gpu (log-prob, value and update micro-batches), "
+    "out of GPU memory. Lower ppo_max_token_len_per_gpu and log_prob_max_token_len_per_gpu (token budgets of the "
+    "update and log-prob/value micro-batches; micro_batch_size_per_gpu with use_dynamic_bsz=False), "
     "actor_rollout_ref.rollout.response_length (tokens per turn) or agent_proxy.max_turn; set "
     "actor_rollout_ref.model.enable_gradient_checkpointing=True and critic.model.enable_gradient_checkpointing=True; "
     "keep the reference model on the CPU with actor_rollout_ref.ref.offload_to_cpu=True; or lower "
-    "generator.batch_size / actor_rollout_ref.rollout.gpu_memory_utilization."
+    "generator.max_batch_tokens (cache tokens per decode batch) / actor_rollout_ref.rollout.gpu_memory_utilization."
 )
 
 

@@ -115,3 +115,35 @@ def test_one_token_prompts_match_generate(varied_model, tiny_tokenizer):
     assert ids(hf(varied_model, tiny_tokenizer, greedy, "static").generate(prompts)) == ids(
         hf(varied_model, tiny_tokenizer, greedy, "generate").generate(prompts)
     )
+
+
+def test_prefill_in_row_chunks_equals_one_prefill(varied_model, tiny_tokenizer, prompts_of_lengths, monkeypatch):
+    """A batch whose prefill runs in chunks of rows (PREFILL_TOKENS) decodes the same greedy tokens."""
+    from SPA_agent.generators import static_decode
+
+    prompts = prompts_of_lengths(REPEATS)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    whole = ids(hf(varied_model, tiny_tokenizer, greedy, "static", batch_size=None).generate(prompts))
+    monkeypatch.setattr(static_decode, "PREFILL_TOKENS", 1)  # one row per prefill forward
+    assert ids(hf(varied_model, tiny_tokenizer, greedy, "static", batch_size=None).generate(prompts)) == whole
+
+
+def test_auto_limits_on_cpu_are_64_sequences_and_no_token_limit(varied_model, tiny_tokenizer):
+    generator = HFGenerator(varied_model, tiny_tokenizer, SamplingParams(), batch_size="auto",
+                            max_batch_tokens="auto")
+    assert generator.batch_size == 64
+    from SPA_agent.generators.hf import auto_batch_tokens
+
+    assert auto_batch_tokens(varied_model) is None
+
+
+def test_decode_batches_follow_row_and_token_limits():
+    from SPA_agent.generators.hf import decode_batches
+
+    lengths = [30, 10, 20, 10]  # sorted: 1, 3 (10), 2 (20), 0 (30)
+    assert decode_batches(lengths, 5, None, None) == [[1, 3, 2, 0]]
+    assert decode_batches(lengths, 5, 3, None) == [[1, 3, 2], [0]]
+    # cache tokens: 2 × (10 + 5) = 30 fits 50; 3 × (20 + 5) = 75 does not; 2 × (30 + 5) = 70 does not
+    assert decode_batches(lengths, 5, None, 50) == [[1, 3], [2], [0]]
+    assert decode_batches(lengths, 5, None, 1) == [[1], [3], [2], [0]]  # each alone, even over the limit
+    assert decode_batches(lengths, 5, None, 30, bucket=16) == [[1], [3], [2], [0]]  # widths 16 + 5 = 21 each

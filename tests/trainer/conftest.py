@@ -43,7 +43,7 @@ def ppo_config(tmp_path):
 @pytest.fixture
 def make_batch(tiny_tokenizer):
     """Factory: a rollout-shaped batch of random tiny-vocabulary tokens (see `rollout_shaped_batch`)."""
-    return lambda seed=0: rollout_shaped_batch(len(tiny_tokenizer), seed=seed)
+    return lambda seed=0, rows=3, length=12: rollout_shaped_batch(len(tiny_tokenizer), rows, length, seed)
 
 
 def rollout_shaped_batch(vocab_size: int, rows: int = 3, length: int = 12, seed: int = 0) -> DataProto:

@@ -7,6 +7,10 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from SPA_agent.trainer.local_backend import LocalBackend
 
+#: the padded micro-batch path (fixed trajectory counts), the reference of the packed one (test_packing.py)
+PADDED = ("use_dynamic_bsz=False", "actor_rollout_ref.model.use_remove_padding=False",
+          "critic.model.use_remove_padding=False")
+
 
 def _training_batch(backend: LocalBackend, batch, advantages=None, returns=None):
     """What the driver hands to the updates: response_mask := loss_mask, old log-probs, values, targets."""
@@ -19,7 +23,7 @@ def _training_batch(backend: LocalBackend, batch, advantages=None, returns=None)
 
 
 def test_log_probs_are_temperature_scaled_and_independent_of_micro_batch(ppo_config, tiny_tokenizer, make_batch):
-    cfg = ppo_config("_2_sokoban", "actor_rollout_ref.rollout.temperature=0.7",
+    cfg = ppo_config("_2_sokoban", *PADDED, "actor_rollout_ref.rollout.temperature=0.7",
                      "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1")
     backend = LocalBackend(cfg, tiny_tokenizer)
     batch = make_batch()
@@ -65,7 +69,7 @@ def test_losses_only_see_the_loss_mask(ppo_config, tiny_tokenizer, make_batch):
 def test_update_does_not_depend_on_micro_batch_size(ppo_config, tiny_tokenizer, make_batch):
     metrics = []
     for micro in (1, 3):
-        cfg = ppo_config("_2_sokoban", "ppo_mini_batch_size=3", f"micro_batch_size_per_gpu={micro}")
+        cfg = ppo_config("_2_sokoban", *PADDED, "ppo_mini_batch_size=3", f"micro_batch_size_per_gpu={micro}")
         backend = LocalBackend(cfg, tiny_tokenizer)
         batch = _training_batch(backend, make_batch(),
                                 advantages=torch.randn(3, 11, generator=torch.Generator().manual_seed(0)))

@@ -1,0 +1,135 @@
+"""Padding-free micro-batches for the `local` backend: token-budget plans and packed rows.
+
+A rollout batch is (B, T), left padded. Two independent choices (verl's names):
+
+- the *plan* (`use_dynamic_bsz`): which rows share a micro-batch — consecutive groups of
+  `*_micro_batch_size_per_gpu` rows, or bins of at most `*_max_token_len_per_gpu` real tokens (first-fit
+  decreasing, the SFT packer's `sft.packing.first_fit_decreasing`);
+- the *layout* (`use_remove_padding`): a micro-batch runs either as its padded (b, T) rows or as one packed row
+  (1, L) of the rows' real tokens back to back, each keeping its own `position_ids`.
+
+Packed rows run through `packed_sdpa_attention`: per layer, one causal SDPA call per trajectory over its own
+tokens, so no token attends across a trajectory boundary and no (L, L) mask is computed over. Outputs are
+scattered back to the padded (b, T-1) layout, so the losses see exactly the tensors of the padded path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from sft.packing import first_fit_decreasing
+
+#: name of the attention function in transformers' AttentionInterface
+PACKED_ATTENTION = "spa_packed_sdpa"
+#: keyword argument the packed forward passes down to the attention layers: trajectory lengths, a tuple of ints
+SEGMENTS_KWARG = "spa_segments"
+
+
+# ------------------------------------------------------------------------------------------------ plans
+
+
+def plan_by_count(rows: int, size: int) -> list[list[int]]:
+    """Consecutive groups of `size` row indices (the original micro-batching)."""
+    return [list(range(start, min(start + size, rows))) for start in range(0, rows, size)]
+
+
+def plan_by_tokens(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Bins of row indices with at most `budget` real tokens each (first-fit decreasing, each bin in ascending
+    row order); a row longer than the budget gets a bin of its own."""
+    if budget < 1:
+        raise ValueError(f"max_token_len_per_gpu must be >= 1, got {budget}")
+    bins = first_fit_decreasing([min(int(n), budget) for n in lengths], budget)
+    return [sorted(b) for b in bins]
+
+
+def micro_batch_plan(attention_mask: torch.Tensor, micro_size: int, dynamic: bool, budget: int) -> list[list[int]]:
+    """Row indices of each micro-batch of a (b, T) batch: by token budget when `dynamic`, else by count."""
+    if dynamic:
+        return plan_by_tokens(attention_mask.sum(dim=-1).tolist(), budget)
+    return plan_by_count(attention_mask.shape[0], micro_size)
+
+
+# ------------------------------------------------------------------------------------------------ packed rows
+
+
+@dataclass
+class PackedRows:
+    """The real tokens of a (b, T) micro-batch as one row of L tokens, and the way back.
+
+    rows, cols: (L,) where packed token p sits in the padded batch; segments: tokens per trajectory (> 0).
+    """
+
+    input_ids: torch.Tensor  # (1, L)
+    position_ids: torch.Tensor  # (1, L)
+    rows: torch.Tensor
+    cols: torch.Tensor
+    segments: tuple[int, ...]
+    shape: tuple[int, int]  # (b, T) of the padded micro-batch
+
+    @classmethod
+    def pack(cls, micro: dict) -> PackedRows:
+        real = micro["attention_mask"].bool()
+        rows, cols = real.nonzero(as_tuple=True)  # row-major: each trajectory's tokens contiguous, in order
+        segments = tuple(n for n in real.sum(dim=-1).tolist() if n > 0)
+        return cls(micro["input_ids"][rows, cols][None], micro["position_ids"][rows, cols][None], rows, cols,
+                   segments, tuple(real.shape))
+
+    def next_token_positions(self) -> torch.Tensor:
+        """(L,) bool: packed positions whose next packed token belongs to the same trajectory."""
+        same = torch.zeros_like(self.rows, dtype=torch.bool)
+        same[:-1] = self.rows[1:] == self.rows[:-1]
+        return same
+
+    def unpack(self, values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """(b, T-1) tensor, zero except at column cols[p] of row rows[p] for the packed positions `keep`;
+        `values` (L,) (differentiable)."""
+        out = values.new_zeros((self.shape[0], self.shape[1] - 1))
+        return out.index_put((self.rows[keep], self.cols[keep]), values[keep])
+
+
+def packed_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers attention function: per-trajectory causal SDPA on packed rows, plain SDPA otherwise.
+
+    With `spa_segments` (the packed forward), query (1, H, L, D) and key/value (1, H_kv, L, D) are split into
+    the trajectories' spans, each attends causally to itself only. Without it (padded batches, generation) this
+    is transformers' SDPA attention with the mask it was given. Returns (1, L, H, D) and no weights.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    segments = kwargs.pop(SEGMENTS_KWARG, None)
+    if segments is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    outputs, start = [], 0
+    for length in segments:
+        span = slice(start, start + length)
+        out, _ = sdpa_attention_forward(module, query[:, :, span], key[:, :, span], value[:, :, span], None,
+                                        dropout=dropout, scaling=scaling, is_causal=True)
+        outputs.append(out)
+        start += length
+    return torch.cat(outputs, dim=1), None
+
+
+def packed_sdpa_mask(*args, attention_mask=None, **kwargs):
+    """transformers mask builder: SDPA's, except without an `attention_mask` (packed rows, whose attention
+    splits them by trajectory; or unpadded rows, which SDPA runs causally without a mask): then no mask, so no
+    (L, L) block-diagonal mask is built for a packed row."""
+    from transformers.masking_utils import sdpa_mask
+
+    return None if attention_mask is None else sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
+def enable_packed_attention(model: nn.Module) -> None:
+    """Route `model`'s attention through `packed_sdpa_attention` (registered once, with `packed_sdpa_mask` so
+    padded batches keep their masks). The setting is not saved with the checkpoint."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    if PACKED_ATTENTION not in AttentionInterface._global_mapping:
+        AttentionInterface.register(PACKED_ATTENTION, packed_sdpa_attention)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_ATTENTION, packed_sdpa_mask)
+    model.config._attn_implementation = PACKED_ATTENTION
