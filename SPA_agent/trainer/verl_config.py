@@ -112,8 +112,7 @@ def _derived(cfg: DictConfig) -> dict[str, object]:
     context = cfg.actor_rollout_ref.rollout.max_model_len
     steps = cfg.trainer.total_training_steps
     return {
-        **attention_settings(importlib.util.find_spec("flash_attn") is not None,
-                             cfg.get("verl_backend", {}).get("remove_padding", "auto")),
+        **attention_settings(importlib.util.find_spec("flash_attn") is not None, cfg.verl_backend.remove_padding),
         "actor_rollout_ref.model.path": actor_path,
         f"{_CRITIC}.model.path": critic_path,
         f"{_CRITIC}.model.tokenizer_path": actor_path,
