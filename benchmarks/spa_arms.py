@@ -369,9 +369,12 @@ def _device() -> str:
 
 def _commit() -> str:
     """The checkout's commit; SPA_AGENT_COMMIT names it where the code was copied without its git history."""
-    result = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False,
-                            cwd=REPO)
-    return result.stdout.strip() or os.environ.get("SPA_AGENT_COMMIT", "unknown")
+    try:
+        result = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                check=False, cwd=REPO).stdout.strip()
+    except FileNotFoundError:  # no git on this machine
+        result = ""
+    return result or os.environ.get("SPA_AGENT_COMMIT", "unknown")
 
 
 def write_report(exp: Experiment) -> Path:
