@@ -27,7 +27,7 @@ from SPA_agent.tiny import resolve_model_path
 from SPA_agent.trainer import local_models as lm
 from SPA_agent.trainer import lora
 from SPA_agent.trainer.algos import needs_critic
-from SPA_agent.trainer.packing import enable_packed_attention, micro_batch_plan
+from SPA_agent.trainer.packing import avoid_cudnn_attention, enable_packed_attention, micro_batch_plan
 
 OPTIMIZER_FILE = "optimizer.pt"
 
@@ -93,6 +93,8 @@ class LocalBackend:
     def __init__(self, cfg: DictConfig, tokenizer):
         self.cfg, self.tokenizer = cfg, tokenizer
         self.device = resolve_device(cfg.trainer.device)
+        if self.device.type == "cuda":
+            avoid_cudnn_attention()
         arr = cfg.actor_rollout_ref
         self.model_path = resolve_model_path(arr.model.path)
         total_steps = cfg.trainer.total_training_steps

@@ -123,6 +123,14 @@ def packed_sdpa_mask(*args, attention_mask=None, **kwargs):
     return None if attention_mask is None else sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
 
 
+def avoid_cudnn_attention() -> None:
+    """Take cuDNN out of SDPA's backends (flash and memory-efficient attention remain). cuDNN builds an execution
+    plan for every new sequence length, about 0.15 s per shape forward and backward on an H200; a rollout's
+    trajectories all differ in length, which made each PPO step of the small model pay ~10 s of plan building
+    (benchmarks/RESULTS.md). Flash attention has no per-shape cost."""
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def enable_packed_attention(model: nn.Module) -> None:
     """Route `model`'s attention through `packed_sdpa_attention` (registered once, with `packed_sdpa_mask` so
     padded batches keep their masks). The setting is not saved with the checkpoint."""
