@@ -8,7 +8,13 @@ import torch
 
 from SPA_agent.trainer import local_models as lm
 from SPA_agent.trainer.local_backend import LocalBackend
-from SPA_agent.trainer.packing import PackedRows, micro_batch_plan, plan_by_count, plan_by_tokens
+from SPA_agent.trainer.packing import (
+    PackedRows,
+    avoid_cudnn_attention,
+    micro_batch_plan,
+    plan_by_count,
+    plan_by_tokens,
+)
 
 REFERENCE = ("use_dynamic_bsz=False", "micro_batch_size_per_gpu=1", "actor_rollout_ref.model.use_remove_padding=False",
              "critic.model.use_remove_padding=False")
@@ -42,6 +48,21 @@ def ragged_batch(make_batch):
     t["loss_mask"] = t["loss_mask"] * both_real
     t["response_mask"] = t["loss_mask"].clone()
     return batch
+
+
+def test_avoid_cudnn_attention_leaves_sdpa_without_cudnn_only():
+    """cuDNN SDPA builds a plan per sequence length (seconds per PPO step with real rollouts); the other
+    backends stay available."""
+    before = (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled(),
+              torch.backends.cuda.mem_efficient_sdp_enabled(), torch.backends.cuda.math_sdp_enabled())
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    try:
+        avoid_cudnn_attention()
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled(),
+                torch.backends.cuda.math_sdp_enabled()) == before[1:]
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before[0])
 
 
 def test_plan_by_count_is_consecutive_rows():
