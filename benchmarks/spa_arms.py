@@ -2,6 +2,8 @@
 
     python benchmarks/spa_arms.py all --out arms          # every stage below, in order
     python benchmarks/spa_arms.py status --out arms       # one line per stage and arm (for polling a background run)
+    python benchmarks/spa_arms.py all --out arms_grpo --from arms --ppo-overrides "algorithm.adv_estimator=grpo"
+                                                          # PPO again from the SFT checkpoints of arms
 
 Arms: `spa` (a: world-model SFT, loss_target=paper), `nowm` (b: the same trajectories without <observation>/
 <prediction>, base prompts, loss_target=paper), `released` (c: loss_target=released). Stages, each skipping what is
@@ -24,6 +26,14 @@ are recorded in DIR/settings.json by the first run; a later run with other setti
 ids that a stage's processes are spread over, round-robin; default: all on the default device). Extra overrides:
 --overrides (data, PPO and evaluation: the env and rollout settings), --data-overrides, --sft-overrides,
 --ppo-overrides, --eval-overrides (each one quoted string, split like a shell line).
+
+--from DIR starts a new experiment from the data and SFT checkpoints of the experiment DIR: its data, data_nowm and
+sft are linked into --out (relative symbolic links: the two directories may be moved or copied side by side), so
+the data and sft stages find them complete and only PPO, the evaluations and the report run. The new experiment
+starts from DIR's settings; options given replace them, except those its data and SFT were made with (--config,
+--model, --data-batches, --sft-*, --overrides, --data-overrides), which a different value refuses. DIR's data and
+SFT must be complete for every arm run, and --out must not have data or SFT of its own. Like the other settings,
+--from is recorded in settings.json (as from_dir, relative to --out) and cannot change later.
 """
 
 from __future__ import annotations
@@ -58,6 +68,13 @@ SPLITS = ("wm_train", "wm_val")
 #: settings that may change between runs into the same directory (the PPO runs continue to more steps; arms may
 #: be added, they share the data)
 MUTABLE = ("ppo_steps", "arms", "max_parallel", "devices")
+#: settings that DIR's data and SFT were made with: an experiment --from DIR takes them from there, never others
+FROM_SETTINGS = ("config", "model", "data_batches", "sft_epochs", "sft_lr", "sft_save_freq", "overrides",
+                 "data_overrides", "sft_overrides")
+#: what --from DIR links into --out
+LINKED = ("data", "data_nowm", "sft")
+#: command-line flags that are not the field name with dashes (`from` is a Python keyword)
+FLAGS = {"from_dir": "--from"}
 #: the checkout this script belongs to: its processes import the same code (PYTHONPATH)
 REPO = Path(__file__).resolve().parents[1]
 
@@ -77,6 +94,7 @@ HELP = {
     "data_overrides": "Hydra overrides of the data stage", "sft_overrides": "Hydra overrides of SFT",
     "ppo_overrides": "Hydra overrides of PPO", "eval_overrides": "Hydra overrides of the evaluations",
     "max_parallel": "processes at a time within a stage", "devices": "comma-separated GPU ids to spread processes over",
+    "from_dir": "experiment directory whose data and SFT checkpoints this one links and starts PPO from",
 }
 
 
@@ -85,23 +103,26 @@ class Settings:
     config: str = "_2_sokoban"
     model: str = "small"
     data_batches: int = 12
-    sft_epochs: int = 1
+    sft_epochs: int = 2
     sft_lr: float = 5e-4
     sft_save_freq: int = 200
     ppo_steps: int = 150
     test_freq: int = 10
-    save_freq: int = 10
+    save_freq: int = 25
     val_groups: int = 128
     val_group_size: int = 2
     wm_puzzles: int = 128
     arms: tuple[str, ...] = tuple(ARMS)
     overrides: str = ""
     data_overrides: str = ""
-    sft_overrides: str = ""
+    #: one padded micro-batch of the 16 rows and no flex-attention compile (the small model: 1,104 steps, 2 epochs,
+    #: in about 2 minutes on an H200)
+    sft_overrides: str = "data.packing=false data.micro_batch_size_per_gpu=16 model.attn_implementation=sdpa"
     ppo_overrides: str = ""
     eval_overrides: str = ""
     max_parallel: int = 3
     devices: str = ""
+    from_dir: str = ""
 
 
 @dataclass
@@ -136,6 +157,10 @@ class Experiment:
 
     def eval_dir(self, arm: str, which: str) -> Path:
         return self.out / "eval" / arm / which
+
+    def source_dir(self) -> Path | None:
+        """DIR of --from, None without it."""
+        return (self.out / self.s.from_dir).resolve() if self.s.from_dir else None
 
     def sft_checkpoint(self, arm: str) -> Path | None:
         marker = self.sft_marker(arm)
@@ -206,6 +231,31 @@ class Experiment:
             "evaluation.write_plots=false", f"evaluation.output_dir={out}", *self._overrides(self.s.eval_overrides)],
             lambda: (result := read_eval(out)) is not None
             and Path(result["model_path"]).parts[-len(relative.parts):] == relative.parts)
+
+    # ------------------------------------------------------------------ --from
+    def link_source(self) -> None:
+        """--from DIR: DIR's data, data_nowm and sft linked into this directory (relative links, so that the two
+        directories may be moved or copied side by side); refused where DIR's data or SFT is incomplete for the
+        arms, which the data and sft stages would otherwise continue inside DIR, or where this directory has a
+        data or SFT of its own."""
+        source = self.source_dir()
+        if source is None:
+            return
+        needed = [source / "data" / CARD_FILE, source / "data_nowm" / CARD_FILE,
+                  *(source / "sft" / f"{arm}.json" for arm in self.s.arms)]
+        missing = [str(path.relative_to(source)) for path in needed if not path.is_file()]
+        if missing:
+            raise StageError(f"--from {source}: its data or SFT is not complete for arms {' '.join(self.s.arms)} "
+                             f"(no {', '.join(missing)}): finish them there first")
+        self.out.mkdir(parents=True, exist_ok=True)
+        for name in LINKED:
+            link, target = self.out / name, source / name
+            if link.is_symlink() and link.resolve() == target.resolve():
+                continue
+            if link.is_symlink() or link.exists():
+                raise StageError(f"{link} is not a link to {target}: --from needs an --out without data or SFT "
+                                 "of its own")
+            link.symlink_to(os.path.relpath(target, self.out))
 
     # ------------------------------------------------------------------ stages
     def stage_data(self) -> None:
@@ -489,19 +539,48 @@ def status_lines(exp: Experiment) -> list[str]:
 
 
 # ---------------------------------------------------------------------- settings and entry point
-def load_settings(out: Path, given: Mapping) -> Settings:
-    """The recorded settings of `out` updated by the options given on the command line (None = not given);
-    a given option that differs from the recorded one is refused, except those in MUTABLE."""
-    path = out / "settings.json"
+def read_settings(directory: Path) -> dict:
+    """settings.json of an experiment directory, {} where there is none."""
+    path = directory / "settings.json"
     recorded = json.loads(path.read_text()) if path.is_file() else {}
     if "arms" in recorded:
         recorded["arms"] = tuple(recorded["arms"])
-    changed = [f"{k} ({recorded[k]!r} -> {v!r})" for k, v in given.items()
-               if v is not None and k in recorded and recorded[k] != v and k not in MUTABLE]
+    return recorded
+
+
+def changed_settings(recorded: Mapping, given: Mapping, keys: tuple[str, ...]) -> list[str]:
+    """'key (recorded -> given)' for each of `keys` given (not None) with a value other than the recorded one."""
+    return [f"{k} ({recorded[k]!r} -> {given[k]!r})" for k in keys
+            if given.get(k) is not None and k in recorded and recorded[k] != given[k]]
+
+
+def source_settings(out: Path, given: Mapping) -> dict:
+    """The settings a new experiment --from DIR starts from: DIR's; {} without --from. Refused where DIR is no
+    experiment directory or where an option given differs from what DIR's data and SFT were made with."""
+    if not given.get("from_dir"):
+        return {}
+    source = (out / given["from_dir"]).resolve()
+    recorded = read_settings(source)
+    if not recorded:
+        raise StageError(f"--from {source}: no settings.json there, not an experiment directory of this script")
+    changed = changed_settings(recorded, given, FROM_SETTINGS)
+    if changed:
+        raise StageError(f"--from {source}: its data and SFT were made with other settings: {', '.join(changed)}. "
+                         "Drop those options (they are taken from there)")
+    return recorded
+
+
+def load_settings(out: Path, given: Mapping) -> Settings:
+    """The recorded settings of `out` (for a new experiment --from DIR: DIR's) updated by the options given on the
+    command line (None = not given); a given option that differs from the recorded one is refused, except those
+    in MUTABLE."""
+    recorded = read_settings(out)
+    changed = changed_settings(recorded, given, tuple(k for k in given if k not in MUTABLE))
     if changed:
         raise StageError(f"{out} holds an experiment made with other settings: {', '.join(changed)}. "
                          "Use another --out, or drop those options")
-    return Settings(**{**recorded, **{k: v for k, v in given.items() if v is not None}})
+    base = recorded or source_settings(out, given)
+    return Settings(**{**base, **{k: v for k, v in given.items() if v is not None}})
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -510,12 +589,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True, help="experiment directory")
     defaults = Settings()
     for f in fields(Settings):
-        flag = "--" + f.name.replace("_", "-")
+        flag = FLAGS.get(f.name, "--" + f.name.replace("_", "-"))
         help_text = f"{HELP[f.name]} (default: {getattr(defaults, f.name)!r})"
         if f.name == "arms":
             parser.add_argument(flag, nargs="+", choices=list(ARMS), default=None, help=help_text)
         else:
-            parser.add_argument(flag, type=type(getattr(defaults, f.name)), default=None, help=help_text)
+            parser.add_argument(flag, dest=f.name, type=type(getattr(defaults, f.name)), default=None,
+                                help=help_text)
     return parser.parse_args(argv)
 
 
@@ -524,12 +604,15 @@ def main(argv: list[str] | None = None) -> int:
     given = {f.name: getattr(args, f.name) for f in fields(Settings)}
     if given["arms"] is not None:
         given["arms"] = tuple(given["arms"])
+    if given["from_dir"]:  # recorded relative to --out, like the links
+        given["from_dir"] = os.path.relpath(Path(given["from_dir"]).resolve(), args.out.resolve())
     try:
         settings = load_settings(args.out, given)
         exp = Experiment(args.out, settings)
         if args.stage == "status":
             print("\n".join(status_lines(exp)))
             return 0
+        exp.link_source()
         exp.out.mkdir(parents=True, exist_ok=True)
         atomic_io.write_json(exp.out / "settings.json", asdict(settings))
         getattr(exp, f"stage_{args.stage}")()

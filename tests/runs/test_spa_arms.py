@@ -1,11 +1,14 @@
 """benchmarks/spa_arms.py (issue 13's three arms) end to end at CPU sizes on the tiny model: every stage, the
-report's columns, the control arm's data, a rerun that skips everything, status lines and refused settings."""
+report's columns, the control arm's data, a rerun that skips everything, status lines and refused settings; then a
+second experiment --from the first that runs only PPO from its SFT checkpoints."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -31,11 +34,18 @@ def arms(stage, out, *args):
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-@pytest.mark.slow
-def test_three_arms_run_end_to_end_then_skip_on_rerun(tmp_path):
-    out = tmp_path / "arms"
+@pytest.fixture(scope="module")
+def experiment(tmp_path_factory):
+    """A completed experiment (every stage, every arm), shared by the tests of this module."""
+    out = tmp_path_factory.mktemp("spa") / "arms"
     result = arms("all", out, *TINY)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out
+
+
+@pytest.mark.slow
+def test_three_arms_run_end_to_end_then_skip_on_rerun(experiment):
+    out = experiment
 
     # Arm (b)'s data: the same trajectories and turns, no world-model blocks anywhere, base prompts.
     for split in ("wm_train", "wm_val"):
@@ -64,7 +74,14 @@ def test_three_arms_run_end_to_end_then_skip_on_rerun(tmp_path):
     assert "| step | spa | nowm | released |" in table and "\n| 1 | " in table
     assert (out / "report/arms.png").stat().st_size > 1000
 
-    out = out.rename(tmp_path / "moved")  # the experiment directory may move (copied off a machine and back)
+    out = out.rename(out.with_name("moved"))  # the experiment directory may move (copied off a machine and back)
+    try:
+        check_rerun_status_and_refusal(out)
+    finally:
+        out.rename(experiment)
+
+
+def check_rerun_status_and_refusal(out):
     rerun = arms("all", out)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     # data, 3 SFT, 6 evaluations (the PPO runs are finished now), 3 PPO, 6 evaluations: nothing starts again.
@@ -76,6 +93,60 @@ def test_three_arms_run_end_to_end_then_skip_on_rerun(tmp_path):
 
     refused = arms("ppo", out, "--sft-lr", "1e-3")
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "sft_lr (0.0005 -> 0.001)" in refused.stderr
+
+
+def logged_argv(log):
+    """The command line of the last process a job log records ('== <date> <time> <command>')."""
+    header = [line for line in log.read_text().splitlines() if line.startswith("== ")][-1]
+    return shlex.split(header)[3:]
+
+
+@pytest.mark.slow
+def test_from_runs_only_ppo_from_the_earlier_experiments_sft(experiment):
+    """A GRPO sweep --from the completed experiment: its data and SFT are linked, not made again; its settings are
+    inherited; PPO starts from its SFT checkpoint. One arm keeps it short."""
+    new = experiment.with_name("arms_grpo")
+    result = arms("all", new, "--from", str(experiment), "--arms", "spa", "--ppo-overrides", "algorithm.adv_estimator=grpo")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+    assert {name: os.readlink(new / name) for name in ("data", "data_nowm", "sft")} == {
+        name: f"../arms/{name}" for name in ("data", "data_nowm", "sft")}  # relative: the two may move side by side
+    assert sorted(p.name for p in (new / "logs").glob("*.log")) == ["ppo-spa.log", "wm-spa-ppo.log", "wm-spa-sft.log"]
+    assert "data: complete, skipped" in result.stdout and "sft-spa: complete, skipped" in result.stdout
+    argv = logged_argv(new / "logs/ppo-spa.log")
+    checkpoint = json.loads((experiment / "sft/spa.json").read_text())["checkpoint"]
+    model_path = next(a.removeprefix("model_path=") for a in argv if a.startswith("model_path="))
+    assert Path(model_path).resolve() == (experiment / checkpoint).resolve()
+    assert argv[-1] == "algorithm.adv_estimator=grpo" and "model=tiny" in argv  # the model inherited from arms
+    assert "adv_estimator: grpo" in (new / "ppo/spa/config.yaml").read_text()
+    settings = json.loads((new / "settings.json").read_text())
+    assert settings["from_dir"] == "../arms" and settings["arms"] == ["spa"]
+    assert settings["overrides"] == json.loads((experiment / "settings.json").read_text())["overrides"]
+    assert '"from_dir": "../arms"' in (new / "report/report.md").read_text()
+
+    moved = experiment.parent.rename(experiment.parent.with_name("spa-moved"))  # both dirs, side by side
+    try:
+        status = arms("status", moved / "arms_grpo").stdout.splitlines()
+        assert any(line.startswith("sft/spa") and "done" in line for line in status), status
+    finally:
+        moved.rename(experiment.parent)
+
+    def refused(out, *args):
+        result = arms("all", out, *args)
+        assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+        return result.stderr
+
+    base = experiment.parent
+    assert "no settings.json there" in refused(base / "a", "--from", str(base / "none"))
+    assert "sft_lr (0.0005 -> 0.001)" in refused(base / "b", "--from", str(experiment), "--sft-lr", "1e-3")
+    assert not (base / "b").exists()
+    incomplete = base / "incomplete"  # settings, but no data or SFT
+    incomplete.mkdir()
+    shutil.copy(experiment / "settings.json", incomplete)
+    assert "not complete for arms spa" in refused(base / "c", "--from", str(incomplete), "--arms", "spa")
+    (base / "d/data").mkdir(parents=True)  # an --out with data of its own
+    assert "is not a link to" in refused(base / "d", "--from", str(experiment))
+    assert "from_dir ('../arms' -> '../b')" in refused(new, "--from", str(base / "b"))  # --from cannot change
 
 
 def _load_script():
