@@ -10,6 +10,10 @@ the same bandit) must go from chance before training to >= 0.9 at the end.
 It fails when PPO's plumbing breaks: a flipped advantage sign, a loss mask shifted by one token or covering the
 prompt, a misplaced score, old and new log-probs swapped (docs/ppo.md lists the hand-made mutations and what
 each did to this test).
+
+The multi-turn case plays the same bandit for three pulls, one per turn, and succeeds only when all three pull
+the paying arm: the agent proxy's multi-turn context, the masks of every assistant turn and the returns across
+turns (GAE with gamma = lambda = 1) must all work for PPO to get there.
 """
 
 from __future__ import annotations
@@ -29,6 +33,11 @@ CONFIG = "_bandit"
 SUCCESS = "val-env/Bandit/success"
 CHANCE = (0.2, 0.8)  # step-0 validation success of the SFT checkpoint: about 0.6 (0.58 and 0.69 seen), below 0.9
 TARGET = 0.9
+#: the three-pull bandit of the multi-turn case: one pull per turn, success = all three pulls paid
+MULTI_TURN = ["custom_envs.Bandit.env_config.num_pulls=3", "custom_envs.Bandit.max_actions_per_traj=3",
+              "agent_proxy.max_turn=3"]
+#: its step-0 success is about 0 (half the SFT model's answers name no arm), and 20 steps must reach this
+MULTI_TURN_STEPS, MULTI_TURN_TARGET = 20, 0.8
 #: the other estimators and algorithm presets (docs/ppo.md "Advantage estimators"): their overrides of the config
 VARIANTS = {
     "rloo": ["algorithm.adv_estimator=rloo"],
@@ -40,13 +49,12 @@ VARIANTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def sft_checkpoint(tmp_path_factory) -> Path:
+def bandit_sft_checkpoint(root: Path, env_overrides: list[str], sft_overrides: list[str] = ()) -> Path:
     """Stages 1 and 2: random-policy bandit data, then SFT of the tiny model on it (one torch thread, as the
-    trainer tests: this module-scoped fixture runs before their function-scoped thread fixture)."""
-    root = tmp_path_factory.mktemp("bandit")
-    base = compose(CONFIG)
-    data_cfg = compose(CONFIG, [*base.learning_test.data_gen_overrides, f"data_gen.output_dir={root / 'data'}"])
+    trainer tests: the module-scoped fixtures below run before their function-scoped thread fixture)."""
+    base = compose(CONFIG, env_overrides)
+    data_cfg = compose(CONFIG, [*env_overrides, *base.learning_test.data_gen_overrides,
+                                f"data_gen.output_dir={root / 'data'}"])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -55,9 +63,21 @@ def sft_checkpoint(tmp_path_factory) -> Path:
         data = root / "data"
         return sft.train([f"data.train_files={data / 'wm_train.parquet'}", f"data.val_files={data / 'wm_val.parquet'}",
                           "model.partial_pretrain=tiny", f"trainer.default_local_dir={root / 'sft'}",
-                          *base.learning_test.sft_overrides])
+                          *base.learning_test.sft_overrides, *sft_overrides])
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def sft_checkpoint(tmp_path_factory) -> Path:
+    return bandit_sft_checkpoint(tmp_path_factory.mktemp("bandit"), [])
+
+
+@pytest.fixture(scope="module")
+def multi_turn_sft_checkpoint(tmp_path_factory) -> Path:
+    """Three-turn rows (prompts up to ~450 tokens) need longer SFT sequences than the one-turn test."""
+    return bandit_sft_checkpoint(tmp_path_factory.mktemp("bandit3"), MULTI_TURN,
+                                 ["data.max_length=1024", "data.max_tokens_per_micro_batch=4096"])
 
 
 @pytest.mark.slow
@@ -73,3 +93,15 @@ def test_ppo_learns_the_bandit_from_chance(sft_checkpoint, tmp_path, estimator):
     assert final >= TARGET, f"{estimator}: validation success {final:.2f} < {TARGET} after PPO; curve {curve}"
     trained_critic = any("critic/vf_loss" in r for r in records)
     assert trained_critic == (estimator == "gae"), "critic-free estimators must not build or train a critic; GAE must"
+
+
+@pytest.mark.slow
+def test_ppo_learns_a_three_turn_bandit(multi_turn_sft_checkpoint, tmp_path):
+    cfg = compose(CONFIG, [*MULTI_TURN, f"model_path={multi_turn_sft_checkpoint}",
+                           f"trainer.total_training_steps={MULTI_TURN_STEPS}", f"trainer.default_local_dir={tmp_path / 'run'}"])
+    records = read_metrics(run(cfg) / "metrics.jsonl")
+    curve = {r["step"]: r[SUCCESS] for r in records if SUCCESS in r}
+    print(f"three-turn bandit, gae: validation success by step {curve}")
+    assert curve[0] <= 0.3, f"the SFT checkpoint already solves the three-turn bandit: {curve}"
+    final = curve[MULTI_TURN_STEPS]
+    assert final >= MULTI_TURN_TARGET, f"validation success {final:.2f} < {MULTI_TURN_TARGET} after PPO; curve {curve}"
