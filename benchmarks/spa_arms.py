@@ -58,6 +58,7 @@ from SPA_agent.datagen_card import CARD_FILE
 from SPA_agent.learning_curves import SUCCESS_KEY, CurvePoint, intervals_overlap, load_curve
 from SPA_agent.metrics_file import read_records
 from SPA_agent.plots import plot_arms
+from SPA_agent.run_identity import git_commit
 
 ARMS = {
     "spa": ("data", "paper", "(a) SPA: world-model SFT, loss_target=paper"),
@@ -419,12 +420,8 @@ def _device() -> str:
 
 def _commit() -> str:
     """The checkout's commit; SPA_AGENT_COMMIT names it where the code was copied without its git history."""
-    try:
-        result = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                check=False, cwd=REPO).stdout.strip()
-    except FileNotFoundError:  # no git on this machine
-        result = ""
-    return result or os.environ.get("SPA_AGENT_COMMIT", "unknown")
+    commit = git_commit()
+    return commit[:7] if commit else os.environ.get("SPA_AGENT_COMMIT", "unknown")
 
 
 def write_report(exp: Experiment) -> Path:
