@@ -13,7 +13,7 @@ complete and continuing what was interrupted (SFT and PPO from their last checkp
           world model (DIR/data_nowm, SPA_agent.data_variants.without_worldmodel_row; its data card comes last)
   sft     one SFT run per arm, in parallel processes -> DIR/sft/<arm>, then DIR/sft/<arm>.json (the checkpoint)
   wm      world-model accuracy (SPA_agent.evaluate, add_worldmodel prompts) of each SFT checkpoint and of each
-          finished PPO run's last actor -> DIR/eval/<arm>/{sft,ppo}/eval.json
+          PPO run's last saved actor, finished or not -> DIR/eval/<arm>/{sft,ppo}/eval.json
   ppo     PPO from each arm's SFT checkpoint, the arms as parallel processes on one device -> DIR/ppo/<arm>;
           validation at step 0 (the SFT init) and every --test-freq steps, checkpoints every --save-freq steps
   report  DIR/report/{report.md, report.json, arms.png}: validation success with 95% bootstrap intervals over
@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -272,21 +273,24 @@ class Experiment:
     def ppo_jobs(self) -> list[Job]:
         return [self.ppo_job(arm) for arm in self.s.arms]
 
-    def wm_jobs(self) -> list[Job]:
-        """Evaluations of the SFT checkpoints there are and of the PPO runs that are finished."""
+    def wm_jobs(self, unfinished: bool = False) -> list[Job]:
+        """Evaluations of the SFT checkpoints there are and of the PPO runs' last saved actors: those of finished
+        runs, and with `unfinished` also those of runs stopped earlier (the wm stage: a run that a lease ended
+        still gets its world model measured, at the step the report names)."""
         jobs = []
         for arm in self.s.arms:
             if (checkpoint := self.sft_checkpoint(arm)) is not None:
                 jobs.append(self.wm_job(arm, "sft", checkpoint))
-            if self.ppo_done(arm):
-                jobs.append(self.wm_job(arm, "ppo", self.ppo_dir(arm) / f"global_step_{self.ppo_step(arm)}" / "actor"))
+            step = self.ppo_step(arm)
+            if step is not None and (unfinished or self.ppo_done(arm)):
+                jobs.append(self.wm_job(arm, "ppo", self.ppo_dir(arm) / f"global_step_{step}" / "actor"))
         return jobs
 
     def stage_ppo(self) -> None:
         run_jobs(self, self.ppo_jobs())
 
     def stage_wm(self) -> None:
-        run_jobs(self, self.wm_jobs())
+        run_jobs(self, self.wm_jobs(unfinished=True))
 
     def stage_report(self) -> None:
         print(f"report written to {write_report(self)}", flush=True)
@@ -398,18 +402,22 @@ def _point(p: CurvePoint | None) -> str:
     return "–" if p is None else f"{p.success:.3f} [{p.low:.3f}, {p.high:.3f}]"
 
 
-def worldmodel_exact(result: Mapping | None) -> dict[str, float | None]:
+def worldmodel_exact(result: Mapping | None) -> dict[str, float | int | None]:
     """Format rate (turns with state blocks) and, over those turns, observation and prediction exact match of an
-    add_worldmodel evaluation (its single env tag); None where absent."""
+    add_worldmodel evaluation (its single env tag), and the training step of the checkpoint evaluated; None where
+    absent."""
     metrics = next(iter(result["metrics"].values())) if result else {}
-    return {name: metrics.get(f"worldmodel/{key}") for name, key in (
-        ("format", "format_rate"), ("observation", "observation_exact"), ("prediction", "prediction_exact"))}
+    step = re.search(r"global_step_(\d+)", result["model_path"]) if result else None
+    return {**{name: metrics.get(f"worldmodel/{key}") for name, key in (
+        ("format", "format_rate"), ("observation", "observation_exact"), ("prediction", "prediction_exact"))},
+            "step": int(step.group(1)) if step else None}
 
 
-def _worldmodel_cell(wm: Mapping[str, float | None]) -> str:
+def _worldmodel_cell(wm: Mapping[str, float | int | None], with_step: bool = False) -> str:
     if wm["format"] is None:
         return "–"
-    return f"obs {_fmt(wm['observation'])} / pred {_fmt(wm['prediction'])} (format {_fmt(wm['format'])})"
+    at = f", step {wm['step']}" if with_step and wm["step"] is not None else ""
+    return f"obs {_fmt(wm['observation'])} / pred {_fmt(wm['prediction'])} (format {_fmt(wm['format'])}{at})"
 
 
 def _device() -> str:
@@ -441,7 +449,7 @@ def write_report(exp: Experiment) -> Path:
         change = None if init is None or final is None or final.step == 0 else 100 * (final.success - init.success)
         overlap = "–" if change is None else ("yes" if intervals_overlap(init, final) else "no")
         summary.append(f"| {ARMS[arm][2]} | {_point(init)} | {_point(final)} (step {final.step if final else '–'}) | "
-                       f"{_fmt(change, 1)} | {overlap} | {_worldmodel_cell(wm['sft'])} | {_worldmodel_cell(wm['ppo'])} | "
+                       f"{_fmt(change, 1)} | {overlap} | {_worldmodel_cell(wm['sft'])} | {_worldmodel_cell(wm['ppo'], with_step=True)} | "
                        f"{_fmt(entropy[0][1] if entropy else None)} → {_fmt(entropy[-1][1] if entropy else None)} |")
         data[arm] = {"label": ARMS[arm][2], "episodes": curve.episodes if curve else None,
                      "validation": [asdict(p) for p in curve.points] if curve else [], "entropy": entropy,
@@ -460,7 +468,7 @@ def write_report(exp: Experiment) -> Path:
         "world model after SFT | world model after PPO | actor entropy (first → last step) |",
         "|---|---|---|---|---|---|---|---|", *summary, "",
         "World model: exact match of `<observation>` and `<prediction>` with the true states, over the turns that "
-        "wrote them; format = fraction of turns that did.", "",
+        "wrote them; format = fraction of turns that did; after PPO: the last saved actor, at the step named.", "",
         "Validation success [95% interval] per PPO step:", "",
         "| step | " + " | ".join(exp.s.arms) + " |", "|---" * (len(exp.s.arms) + 1) + "|", *per_step, "",
         f"Settings: `{json.dumps(asdict(exp.s))}`", ""]
@@ -527,7 +535,7 @@ def status_lines(exp: Experiment) -> list[str]:
     for arm in exp.s.arms:
         for which in ("sft", "ppo"):
             result, label = read_eval(exp.eval_dir(arm, which)), f"wm/{arm}/{which}".ljust(15)
-            state = f"done: {_worldmodel_cell(worldmodel_exact(result))}" if result else \
+            state = f"done: {_worldmodel_cell(worldmodel_exact(result), with_step=which == 'ppo')}" if result else \
                 job_state(exp, f"wm-{arm}-{which}")
             lines.append(f"{label} {state}")
     report = exp.out / "report" / "report.md"

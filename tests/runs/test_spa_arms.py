@@ -68,6 +68,7 @@ def test_three_arms_run_end_to_end_then_skip_on_rerun(experiment):
         for which in ("sft", "ppo"):
             assert json.loads((out / f"eval/{arm}/{which}/eval.json").read_text())["prompt_mode"] == "add_worldmodel"
             assert report["arms"][arm]["worldmodel"][which]["format"] is not None
+        assert report["arms"][arm]["worldmodel"]["ppo"]["step"] == 1  # the actor evaluated: the last step's
     table = (out / "report/report.md").read_text()
     assert ("| arm | SFT init success (step 0) | final success | change (points) | intervals overlap | "
             "world model after SFT | world model after PPO | actor entropy (first → last step) |") in table
@@ -169,3 +170,27 @@ def test_jobs_run_in_parallel_on_their_devices_and_a_failure_is_reported_after_a
     assert logs == {"a": "3", "b": "5", "c": "3"}
     assert {name: (tmp_path / f"logs/{name}.rc").read_text() for name in "abc"} == {"a": "0", "b": "1", "c": "0"}
     assert [script.job_state(exp, name) for name in "ab"] == ["exited 0", f"failed (exit 1, {tmp_path}/logs/b.log)"]
+
+
+def test_wm_stage_evaluates_the_last_saved_actor_of_an_unfinished_run(tmp_path):
+    """A run that a lease ended before its last step: `all` (beside PPO) leaves it alone, the wm stage evaluates its
+    last saved actor, and the report names that step."""
+    from SPA_agent.trainer.checkpoint import LATEST_FILE, TRAINER_STATE_FILE, step_dir
+
+    script = _load_script()
+    exp = script.Experiment(tmp_path, script.Settings(arms=("spa",), ppo_steps=10))
+    run = exp.ppo_dir("spa")
+    step_dir(run, 3).mkdir(parents=True)
+    (step_dir(run, 3) / TRAINER_STATE_FILE).write_bytes(b"")
+    (run / LATEST_FILE).write_text("3")
+
+    assert [job.name for job in exp.wm_jobs()] == []
+    [job] = exp.wm_jobs(unfinished=True)
+    assert job.name == "wm-spa-ppo" and f"model_path={run / 'global_step_3' / 'actor'}" in job.argv
+
+    result = {"model_path": str(run / "global_step_3" / "actor"), "metrics": {"SimpleSokoban": {
+        "worldmodel/format_rate": 1.0, "worldmodel/observation_exact": 0.5, "worldmodel/prediction_exact": 0.25}}}
+    wm = script.worldmodel_exact(result)
+    assert wm == {"format": 1.0, "observation": 0.5, "prediction": 0.25, "step": 3}
+    assert script._worldmodel_cell(wm, with_step=True) == "obs 0.500 / pred 0.250 (format 1.000, step 3)"
+    assert script.worldmodel_exact(None)["step"] is None
