@@ -18,6 +18,7 @@ turns (GAE with gamma = lambda = 1) must all work for PPO to get there.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -49,7 +50,7 @@ VARIANTS = {
 }
 
 
-def bandit_sft_checkpoint(root: Path, env_overrides: list[str], sft_overrides: list[str] = ()) -> Path:
+def bandit_sft_checkpoint(root: Path, env_overrides: Sequence[str], sft_overrides: Sequence[str] = ()) -> Path:
     """Stages 1 and 2: random-policy bandit data, then SFT of the tiny model on it (one torch thread, as the
     trainer tests: the module-scoped fixtures below run before their function-scoped thread fixture)."""
     base = compose(CONFIG, env_overrides)
