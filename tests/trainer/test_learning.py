@@ -37,8 +37,12 @@ TARGET = 0.9
 #: the three-pull bandit of the multi-turn case: one pull per turn, success = all three pulls paid
 MULTI_TURN = ["custom_envs.Bandit.env_config.num_pulls=3", "custom_envs.Bandit.max_actions_per_traj=3",
               "agent_proxy.max_turn=3"]
-#: its step-0 success is about 0 (half the SFT model's answers name no arm), and 20 steps must reach this
+#: its step-0 success is about 0 (half the SFT model's answers name no arm); GAE must reach this in 20 steps
 MULTI_TURN_STEPS, MULTI_TURN_TARGET = 20, 0.8
+#: the same with a <think> block before each answer, the format of the SPA tasks (64 new tokens hold it)
+THINKING = [*MULTI_TURN, "agent_proxy.enable_think=True", "actor_rollout_ref.rollout.response_length=64"]
+#: three-turn rows (prompts up to ~520 tokens) need longer SFT sequences than the one-turn test
+LONG_ROWS = ["data.max_length=1024", "data.max_tokens_per_micro_batch=4096"]
 #: the other estimators and algorithm presets (docs/ppo.md "Advantage estimators"): their overrides of the config
 VARIANTS = {
     "rloo": ["algorithm.adv_estimator=rloo"],
@@ -76,9 +80,12 @@ def sft_checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def multi_turn_sft_checkpoint(tmp_path_factory) -> Path:
-    """Three-turn rows (prompts up to ~450 tokens) need longer SFT sequences than the one-turn test."""
-    return bandit_sft_checkpoint(tmp_path_factory.mktemp("bandit3"), MULTI_TURN,
-                                 ["data.max_length=1024", "data.max_tokens_per_micro_batch=4096"])
+    return bandit_sft_checkpoint(tmp_path_factory.mktemp("bandit3"), MULTI_TURN, LONG_ROWS)
+
+
+@pytest.fixture(scope="module")
+def thinking_sft_checkpoint(tmp_path_factory) -> Path:
+    return bandit_sft_checkpoint(tmp_path_factory.mktemp("bandit3think"), THINKING, LONG_ROWS)
 
 
 @pytest.mark.slow
@@ -96,13 +103,26 @@ def test_ppo_learns_the_bandit_from_chance(sft_checkpoint, tmp_path, estimator):
     assert trained_critic == (estimator == "gae"), "critic-free estimators must not build or train a critic; GAE must"
 
 
-@pytest.mark.slow
-def test_ppo_learns_a_three_turn_bandit(multi_turn_sft_checkpoint, tmp_path):
-    cfg = compose(CONFIG, [*MULTI_TURN, f"model_path={multi_turn_sft_checkpoint}",
-                           f"trainer.total_training_steps={MULTI_TURN_STEPS}", f"trainer.default_local_dir={tmp_path / 'run'}"])
+def check_three_turn_learning(checkpoint: Path, overrides: list[str], steps: int, run_dir: Path) -> None:
+    """PPO from `checkpoint` on the three-turn bandit: from about 0 to MULTI_TURN_TARGET in `steps`."""
+    cfg = compose(CONFIG, [*overrides, f"model_path={checkpoint}", f"trainer.total_training_steps={steps}",
+                           f"trainer.default_local_dir={run_dir}"])
     records = read_metrics(run(cfg) / "metrics.jsonl")
     curve = {r["step"]: r[SUCCESS] for r in records if SUCCESS in r}
-    print(f"three-turn bandit, gae: validation success by step {curve}")
+    print(f"three-turn bandit, {cfg.algorithm.adv_estimator}: validation success by step {curve}")
     assert curve[0] <= 0.3, f"the SFT checkpoint already solves the three-turn bandit: {curve}"
-    final = curve[MULTI_TURN_STEPS]
+    final = curve[steps]
     assert final >= MULTI_TURN_TARGET, f"validation success {final:.2f} < {MULTI_TURN_TARGET} after PPO; curve {curve}"
+
+
+@pytest.mark.slow
+def test_ppo_learns_a_three_turn_bandit(multi_turn_sft_checkpoint, tmp_path):
+    check_three_turn_learning(multi_turn_sft_checkpoint, MULTI_TURN, MULTI_TURN_STEPS, tmp_path / "run")
+
+
+@pytest.mark.slow
+def test_grpo_learns_a_three_turn_bandit_with_thinking(thinking_sft_checkpoint, tmp_path):
+    """GRPO (GAE from a fresh critic breaks the <think> format of this tiny model at its lr, docs/ppo.md), which
+    reaches the target in 12 steps here."""
+    check_three_turn_learning(thinking_sft_checkpoint, [*THINKING, "algorithm.adv_estimator=grpo"], 12,
+                              tmp_path / "run")
