@@ -120,7 +120,7 @@ def test_ppo_learns_a_three_turn_bandit(multi_turn_sft_checkpoint, tmp_path):
     check_three_turn_learning(multi_turn_sft_checkpoint, MULTI_TURN, MULTI_TURN_STEPS, tmp_path / "run")
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # about 2 minutes: not in the default run (CI); `python -m pytest -m extended`
 def test_grpo_learns_a_three_turn_bandit_with_thinking(thinking_sft_checkpoint, tmp_path):
     """GRPO (GAE from a fresh critic breaks the <think> format of this tiny model at its lr, docs/ppo.md), which
     reaches the target in 12 steps here."""
