@@ -497,7 +497,7 @@ def job_state(exp: Experiment, name: str) -> str:
 
 
 def _last_record(path: Path) -> dict:
-    records, _ = read_records(path) if path.is_file() else ([], True)
+    records, _ = read_records(path)
     return records[-1] if records else {}
 
 
@@ -522,8 +522,7 @@ def status_lines(exp: Experiment) -> list[str]:
             loss = f", train loss {last['train/loss']:.3f}" if "train/loss" in last else ""
             lines.append(f"sft/{arm:<11} {job_state(exp, f'sft-{arm}')}; step {last.get('step', 0)}{loss}")
     for arm in exp.s.arms:
-        records, _ = read_records(exp.ppo_dir(arm) / "metrics.jsonl") if (exp.ppo_dir(arm) / "metrics.jsonl").is_file() \
-            else ([], True)
+        records, _ = read_records(exp.ppo_dir(arm) / "metrics.jsonl")  # [] before the run has logged
         step = max((int(r["step"]) for r in records), default=0)
         val = [r for r in records if any(SUCCESS_KEY.match(k) for k in r)]
         last_val = ""
