@@ -68,13 +68,29 @@ def sync() -> None:
 
 
 @contextmanager
-def phase(name: str, results: list[dict], **extra):
-    """Time a phase and record its peak GPU memory; append one result and print it as a JSON line."""
+def kernel_table(enabled: bool):
+    """With `enabled`, profile the block and print its 25 costliest GPU kernels (by total GPU time)."""
+    if not enabled:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        yield
+        sync()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=80), flush=True)
+
+
+@contextmanager
+def phase(name: str, results: list[dict], profile: str | None = None, **extra):
+    """Time a phase and record its peak GPU memory; append one result and print it as a JSON line. When
+    `profile` names this phase, also print its kernel table (the time then includes the profiler's overhead)."""
     sync()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    yield
+    with kernel_table(profile == name):
+        yield
     sync()
     row = {"metric": f"ppo_step/{name}", "seconds": round(time.perf_counter() - start, 3), "unit": "s", **extra}
     if torch.cuda.is_available():
@@ -123,18 +139,19 @@ def training_batch(ids: list[list[int]], roles: list[list[int]], keep: int) -> D
     })
 
 
-def train_phases(backend: LocalBackend, batch: DataProto, results: list[dict], tokens: int) -> None:
-    with phase("old_log_prob", results, tokens=tokens):
+def train_phases(backend: LocalBackend, batch: DataProto, results: list[dict], tokens: int,
+                 profile: str | None = None) -> None:
+    with phase("old_log_prob", results, profile, tokens=tokens):
         batch = batch.union(backend.compute_log_prob(batch))
-    with phase("ref", results, tokens=tokens):
+    with phase("ref", results, profile, tokens=tokens):
         batch = batch.union(backend.compute_ref_log_prob(batch))
-    with phase("values", results, tokens=tokens):
+    with phase("values", results, profile, tokens=tokens):
         batch = batch.union(backend.compute_values(batch))
     t = batch.batch
     t["advantages"], t["returns"] = algos.gae(t["token_level_scores"], t["values"], t["response_mask"], 1.0, 1.0)
-    with phase("update_critic", results, tokens=tokens):
+    with phase("update_critic", results, profile, tokens=tokens):
         backend.update_critic(batch)
-    with phase("update_actor", results, tokens=tokens):
+    with phase("update_actor", results, profile, tokens=tokens):
         backend.update_actor(batch)
 
 
@@ -158,6 +175,7 @@ def build_backend(args, model_dir: Path) -> LocalBackend:
         f"generator.max_batch_tokens={args.gen_tokens}",
         f"actor_rollout_ref.rollout.response_length={args.response_len}", f"ppo_mini_batch_size={args.mini}",
         f"actor_rollout_ref.ref.offload_to_cpu={args.ref_on_cpu}", *micro_batch_overrides(args),
+        *args.override,
     ]
     return LocalBackend(compose("_2_sokoban", overrides), IdTokenizer())
 
@@ -183,6 +201,11 @@ def main() -> None:
     parser.add_argument("--gen-tokens", default="auto", help="generator.max_batch_tokens (auto, null or an int)")
     parser.add_argument("--ref-on-cpu", action="store_true", help="actor_rollout_ref.ref.offload_to_cpu")
     parser.add_argument("--repeats", type=int, default=1, help="timed repeats of the training phases")
+    parser.add_argument("--profile", choices=("old_log_prob", "ref", "values", "update_critic", "update_actor"),
+                        help="print the GPU kernel table of this training phase (its last repeat)")
+    parser.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="more config overrides, applied last (e.g. "
+                             "actor_rollout_ref.model.enable_gradient_checkpointing=False)")
     args = parser.parse_args()
     if args.smoke:
         args.trajectories, args.keep, args.mini, args.turns = 8, 4, 4, 2
@@ -199,14 +222,15 @@ def main() -> None:
         with phase("generation", results, trajectories=args.trajectories, turns=args.turns):
             ids, roles = generate_rollout(backend, args, SHAPES[shape]["vocab_size"])
         tokens = int(training_batch(ids, roles, args.keep).batch["attention_mask"].sum())
-        for _ in range(args.repeats):  # a fresh batch each time: the phases add keys to it
-            train_phases(backend, training_batch(ids, roles, args.keep), results, tokens)
+        for repeat in range(args.repeats):  # a fresh batch each time: the phases add keys to it
+            train_phases(backend, training_batch(ids, roles, args.keep), results, tokens,
+                         args.profile if repeat == args.repeats - 1 else None)
     summary = {"metric": "ppo_step/total", "unit": "s", "shape": shape,
                "micro": args.micro if args.micro is not None else "packed",
                **({} if args.micro is not None else {
                    "budget": backend.cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu,
                    "forward_budget": backend.cfg.actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu}),
-               "gen_batch": args.gen_batch or "auto", "gen_tokens": args.gen_tokens,
+               "gen_batch": args.gen_batch or "auto", "gen_tokens": args.gen_tokens, "overrides": args.override,
                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                "torch": torch.__version__,
                "sampled_tokens": sum(map(sum, roles)), "train_tokens": tokens,
