@@ -1,18 +1,20 @@
-"""Where one step of the static decoder spends its time (issue 17): the whole CUDA-graph step, sampling, and the
-decode attention alone, at the PPO rollout's batch and several context lengths.
+"""Where the static decoder spends its time (issue 17): prefill, the whole CUDA-graph decode step, sampling,
+and the decode attention alone, at the PPO rollout's batch and several context lengths.
 
 A random-weight model of the --shape (Qwen2.5-0.5B by default) is built on the GPU; for each --contexts C the
-decoder's buffers are filled by a prefill of B prompts of C random ids and then --steps decode steps are timed
-with CUDA events:
+decoder's cache is filled by a prefill of B prompts of C random ids, then timed with CUDA events:
 
+- `prefill`: that prefill (right-padded rows, causal, chunks of PREFILL_TOKENS tokens, first-token logits);
 - `step`: one replay of the captured decode step (forward of one token per row, logits of the last position);
 - `sample`: softmax + multinomial over the float32 logits (temperature 1, no top-k/top-p: the PPO settings);
-- `attention/<backend>`: the grouped decode attention of one layer (queries (B, H_kv, G, D) against the cache
-  (B, H_kv, L, D) with the boolean key mask) through SDPA's memory-efficient and math backends and a plain
-  matmul-softmax-matmul, times the number of layers (so it compares with `step`).
+- `attention/<path>`: one layer's decode attention (queries (B, H, 1, D) against the cache (B, L, H_kv, D), each
+  row reading its first C+1 keys) through flash attention's variable-length kernel (`flash`, the decoder's path
+  on GPU) and one masked SDPA call (`masked`, its path elsewhere), times the number of layers (so it compares
+  with `step`).
 
 --profile adds a torch.profiler table (eager steps, no CUDA graph) of the kernels by GPU time. --variants also
-times the step of the model patched by liger-kernel (RMSNorm, SwiGLU, RoPE) and of a torch.compile'd forward.
+times the step of the model patched by liger-kernel (RMSNorm, SwiGLU, RoPE) and then, on top, of a
+torch.compile'd forward.
 
     python benchmarks/decode_step.py --shape 0.5b --batch 256 --contexts 700 1500 2300 --profile
 """
@@ -24,12 +26,17 @@ import json
 import statistics
 
 import torch
-import torch.nn.functional as F
 from model_shapes import SHAPES
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from SPA_agent.generators.base import SamplingParams
-from SPA_agent.generators.static_decode import PROMPT_BUCKET, StaticDecoder, grouped_attention, sample
+from SPA_agent.generators.static_decode import (
+    PROMPT_BUCKET,
+    StaticDecoder,
+    decode_attention_mode,
+    flash_decode,
+    masked_decode,
+    sample,
+)
 
 
 def build_model(shape: str):
@@ -54,57 +61,49 @@ def cuda_ms(fn, repeats: int) -> float:
 
 
 def filled_state(decoder: StaticDecoder, batch: int, context: int, steps: int, vocab: int):
-    """Decoder state after a prefill of `batch` prompts of `context` random ids, ready for decode steps."""
+    """Decoder state after a prefill of `batch` prompts of `context` random ids, ready for decode steps; the
+    prefill's milliseconds and the first logits."""
     max_len = context + steps
     max_len += -max_len % PROMPT_BUCKET
     state = decoder._state_for(batch, max_len)
-    ids = torch.randint(3, vocab, (batch, context), device="cuda")
-    mask = torch.ones_like(ids)
+    prompts = torch.randint(3, vocab, (batch, context), device="cuda")
+    lengths = torch.full((batch,), context, device="cuda")
     state.capture()
-    logits = decoder._prefill(state, ids, mask)
-    state.input_ids.copy_(ids[:, -1:])
-    state.position_ids.fill_(context)
-    state.write_index.fill_(context)
-    return state, logits
+    logits = decoder._prefill(state, prompts, lengths)
+    prefill_ms = cuda_ms(lambda: decoder._prefill(state, prompts, lengths), 3)
+    state.input_ids.copy_(prompts[:, -1:])
+    state.positions.fill_(context)
+    return state, prefill_ms, logits
 
 
-def time_step(model, args, context: int) -> float:
+def time_step(model, args, context: int) -> tuple[float, float]:
+    """(prefill ms, decode step ms) at this context."""
     decoder = StaticDecoder(model, stop_ids=[1], pad_id=0)
-    with torch.inference_mode(), grouped_attention(model):
-        state, _ = filled_state(decoder, args.batch, context, args.steps, model.config.vocab_size)
+    with torch.inference_mode(), decode_attention_mode(model):
+        state, prefill_ms, _ = filled_state(decoder, args.batch, context, args.steps, model.config.vocab_size)
         for _ in range(3):
             state.step()
-        return cuda_ms(state.step, args.steps)
+        return prefill_ms, cuda_ms(state.step, args.steps)
 
 
 def attention_times(config, args, context: int) -> dict[str, float]:
-    """Milliseconds of one layer's grouped decode attention × layers, per implementation."""
+    """Milliseconds of one layer's decode attention × layers, per path, and the largest gap between them."""
     kv_heads, heads = config.num_key_value_heads, config.num_attention_heads
     head_dim = config.hidden_size // heads
     length = context + args.steps + (-(context + args.steps) % PROMPT_BUCKET)
-    q = torch.randn(args.batch, kv_heads, heads // kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(args.batch, kv_heads, length, head_dim, device="cuda", dtype=torch.bfloat16)
-            for _ in range(2))
-    keys = torch.zeros(args.batch, 1, 1, length, dtype=torch.bool, device="cuda")
-    keys[..., : context + 1] = True
-    bias = torch.zeros(keys.shape, device="cuda").masked_fill(~keys, float("-inf"))
+    batch, to = args.batch, dict(device="cuda", dtype=torch.bfloat16)
+    query = torch.randn(batch, heads, 1, head_dim, **to)
+    key, value = (torch.randn(batch, length, kv_heads, head_dim, **to) for _ in range(2))
+    kv_lengths = torch.full((batch,), context + 1, device="cuda", dtype=torch.int32)
+    rows = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
     scale = head_dim**-0.5
-
-    def plain():
-        scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale + bias
-        return torch.matmul(scores.softmax(-1).to(v.dtype), v)
-
-    reference = plain()
-    times = {}
-    for name, backend in (("efficient", SDPBackend.EFFICIENT_ATTENTION), ("math", SDPBackend.MATH)):
-        def run():
-            with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=keys, scale=scale)
-        error = (run().float() - reference.float()).abs().max().item()
-        times[name] = cuda_ms(run, args.steps) * config.num_hidden_layers
-        times[f"{name}_max_error"] = error
-    times["plain"] = cuda_ms(plain, args.steps) * config.num_hidden_layers
-    return times
+    flash = lambda: flash_decode(query, key, value, kv_lengths, rows, rows * length, scale)  # noqa: E731
+    masked = lambda: masked_decode(query, key, value, kv_lengths, scale)  # noqa: E731
+    return {
+        "flash": cuda_ms(flash, args.steps) * config.num_hidden_layers,
+        "masked": cuda_ms(masked, args.steps) * config.num_hidden_layers,
+        "max_gap": (flash().float() - masked().float()).abs().max().item(),
+    }
 
 
 def time_sampling(logits: torch.Tensor, args) -> float:
@@ -117,8 +116,8 @@ def profile_table(model, args, context: int) -> str:
     from torch.profiler import ProfilerActivity, profile
 
     decoder = StaticDecoder(model, stop_ids=[1], pad_id=0, use_cuda_graphs=False)
-    with torch.inference_mode(), grouped_attention(model):
-        state, _ = filled_state(decoder, args.batch, context, args.steps, model.config.vocab_size)
+    with torch.inference_mode(), decode_attention_mode(model):
+        state, _, _ = filled_state(decoder, args.batch, context, args.steps, model.config.vocab_size)
         state.forward_step()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -145,16 +144,17 @@ def main() -> None:
     avoid_cudnn_attention()  # as the local backend runs
     model = build_model(args.shape)
     for context in args.contexts:
+        prefill_ms, step_ms = time_step(model, args, context)
         row = {"shape": args.shape, "batch": args.batch, "context": context,
-               "step_ms": round(time_step(model, args, context), 3)}
+               "prefill_ms": round(prefill_ms, 2), "step_ms": round(step_ms, 3)}
         decoder = StaticDecoder(model, stop_ids=[1], pad_id=0)
-        with torch.inference_mode(), grouped_attention(model):
-            _, logits = filled_state(decoder, args.batch, context, args.steps, model.config.vocab_size)
+        with torch.inference_mode(), decode_attention_mode(model):
+            _, _, logits = filled_state(decoder, args.batch, context, args.steps, model.config.vocab_size)
             row["sample_ms"] = round(time_sampling(logits, args), 3)
         decoder.release()
         with torch.inference_mode():
-            row.update({f"attention_ms/{k}": round(v, 4) for k, v in attention_times(model.config, args,
-                                                                                  context).items()})
+            times = attention_times(model.config, args, context)
+        row.update({f"attention_ms/{k}": round(v, 4) for k, v in times.items()})
         print(json.dumps(row), flush=True)
     if args.profile:
         print(profile_table(model, args, max(args.contexts)), flush=True)
@@ -167,8 +167,9 @@ def main() -> None:
         else:
             model.forward = torch.compile(model.forward, dynamic=False)
         for context in args.contexts:
-            print(json.dumps({"variant": variant, "context": context,
-                              "step_ms": round(time_step(model, args, context), 3)}), flush=True)
+            prefill_ms, step_ms = time_step(model, args, context)
+            print(json.dumps({"variant": variant, "context": context, "prefill_ms": round(prefill_ms, 2),
+                              "step_ms": round(step_ms, 3)}), flush=True)
 
 
 if __name__ == "__main__":

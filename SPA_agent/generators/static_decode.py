@@ -1,16 +1,22 @@
-"""A compact decode loop over a transformers causal LM's own forward: static KV cache, CUDA graphs (issue 9).
+"""A compact decode loop over a transformers causal LM's own forward: static KV cache, CUDA graphs (issues 9, 17).
 
 Why not `model.generate`: with left padding, transformers' SDPA attention receives a mask and then copies
 every key/value head `num_attention_heads / num_key_value_heads` times per layer and step (`repeat_kv`), which
 dominates decoding time for GQA models at large batch. Here:
 
-- prefill runs the prompts once (the model's forward, SDPA attention; in row chunks of at most PREFILL_TOKENS
-  tokens, so a large batch's prefill activations stay small) and writes keys/values into preallocated buffers
-  (B, H_kv, L, D), L = padded prompt width + max_new_tokens;
-- each decode step feeds one token per sequence; attention treats the G = H / H_kv query heads that share a
-  key/value head as G query rows of one SDPA call, so keys and values are read once and never copied;
-- on GPU the decode step (forward + mask update) is captured once per (B, L) in a CUDA graph and replayed,
-  which removes the per-kernel launch overhead of a 28-layer model;
+- the cache holds keys/values as (B, L, H_kv, D) per layer (flash attention's layout), L = longest prompt +
+  max_new_tokens; row b keeps its prompt at positions [0, n_b) and its t-th new token at n_b + t, so the keys a
+  row attends to are always a prefix of its row, of length `kv_lengths[b]`;
+- prefill runs the prompts right-padded (row chunks of at most PREFILL_TOKENS tokens, each chunk as wide as its
+  longest prompt) causally, without a mask, so SDPA takes its flash kernel; the first new token's logits come
+  from each row's last prompt position;
+- each decode step feeds one token per sequence. On CUDA with bf16/fp16 weights, attention is flash attention's
+  variable-length kernel reading each row's first `kv_lengths[b]` keys (`seqused_k`) with grouped-query heads
+  natively: keys and values are read once, never copied, and padding and the unwritten tail are never read. On
+  other devices and dtypes the same prefix is masked in one SDPA call whose query rows are the G = H / H_kv query
+  heads sharing a key/value head;
+- on GPU the decode step (forward + cache bookkeeping) is captured once per (B, L) in a CUDA graph and replayed,
+  which removes the per-kernel launch overhead of a 24–28-layer model;
 - sampling (temperature → top-k → top-p → multinomial, as transformers orders its warpers; argmax at
   temperature 0) runs outside the graph with an explicit `torch.Generator`; finished sequences keep decoding
   padding and the loop stops when all have finished (checked every `CHECK_EVERY` steps to avoid a device sync
@@ -31,44 +37,78 @@ import torch.nn.functional as F
 
 from SPA_agent.generators.base import SamplingParams
 
-ATTENTION_NAME = "spa_grouped_sdpa"
-# On GPU, prompt widths and cache lengths are multiples of this, so chunks of similar length share a graph.
+ATTENTION_NAME = "spa_decode_attention"
+#: keyword argument the decode step passes down to the attention layers: (kv_lengths (B,) int32, cu_seqlens_q
+#: (B+1,) int32, cu_seqlens_k (B+1,) int32), see `decode_attention`
+DECODE_KWARG = "spa_decode"
+# On GPU, cache lengths are multiples of this, so batches of similar length share a graph.
 PROMPT_BUCKET = 64
 CHECK_EVERY = 16  # decode steps between checks whether every sequence has finished
-PREFILL_TOKENS = 32768  # prompt tokens (rows × padded width) per prefill forward; at least one row
+PREFILL_TOKENS = 32768  # prompt tokens (rows × chunk width) per prefill forward; at least one row
 
 
-def grouped_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+def uses_flash_decode(query: torch.Tensor) -> bool:
+    """Whether decode attention for this query runs flash attention's variable-length kernel (CUDA, half
+    precision, a head size flash attention supports)."""
+    head_dim = query.shape[-1]
+    return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0
+            and head_dim <= 256)
+
+
+def decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """Attention for the static decoder, registered in transformers' AttentionInterface.
 
-    Decode (one query token): query (B, H, 1, D), key/value (B, H_kv, L, D), attention_mask (B, 1, 1, L) bool.
-    The G = H / H_kv query heads of each key/value head become G query rows: one SDPA call over (B, H_kv, G,
-    D) reads every key and value once. Prefill (several query tokens) uses transformers' SDPA attention.
-    Returns (B, q, H, D) and no attention weights, as transformers' attention functions do.
+    Prefill (several query tokens; `spa_decode` absent): the chunk's own right-padded rows, causal SDPA.
+    Decode (one query token, `spa_decode` given): query (B, H, 1, D) against the whole cache, key/value
+    (B, L, H_kv, D); row b attends to its first kv_lengths[b] keys. Returns (B, q, H, D) and no attention weights,
+    as transformers' attention functions do.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    batch, heads, q_len, head_dim = query.shape
-    if q_len > 1:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling
-        )
-    kv_heads = key.shape[1]
-    grouped = query.view(batch, kv_heads, heads // kv_heads, head_dim)
-    output = F.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask, scale=scaling)
-    return output.reshape(batch, heads, 1, head_dim).transpose(1, 2), None
+    decode = kwargs.get(DECODE_KWARG)
+    if decode is None:
+        return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling)
+    if uses_flash_decode(query):
+        return flash_decode(query, key, value, *decode, scaling), None
+    return masked_decode(query, key, value, decode[0], scaling), None
+
+
+def flash_decode(query, key, value, kv_lengths, cu_q, cu_k, scaling=None) -> torch.Tensor:
+    """Flash attention's variable-length kernel: query (B, H, 1, D), cache (B, L, H_kv, D), row b reading its
+    first kv_lengths[b] keys; (B, 1, H, D)."""
+    batch, heads, _, head_dim = query.shape
+    length, kv_heads = key.shape[1], key.shape[2]
+    output = torch.ops.aten._flash_attention_forward(
+        query.reshape(batch, heads, head_dim), key.view(batch * length, kv_heads, head_dim),
+        value.view(batch * length, kv_heads, head_dim), cu_q, cu_k, 1, length, 0.0, False, False,
+        scale=scaling, seqused_k=kv_lengths,
+    )[0]
+    return output.view(batch, 1, heads, head_dim)
+
+
+def masked_decode(query, key, value, kv_lengths, scaling=None) -> torch.Tensor:
+    """The same attention as `flash_decode` on any device: one SDPA call whose query rows are the G query heads
+    sharing a key/value head, keys past each row's length masked; (B, 1, H, D)."""
+    batch, heads, _, head_dim = query.shape
+    length, kv_heads = key.shape[1], key.shape[2]
+    keys = torch.arange(length, device=key.device) < kv_lengths[:, None]  # (B, L)
+    grouped = query.reshape(batch, kv_heads, heads // kv_heads, head_dim)
+    output = F.scaled_dot_product_attention(grouped, key.transpose(1, 2), value.transpose(1, 2),
+                                            attn_mask=keys[:, None, None, :], scale=scaling)
+    return output.reshape(batch, heads, 1, head_dim).transpose(1, 2)
 
 
 def _register_attention() -> None:
     from transformers import AttentionInterface
 
     if ATTENTION_NAME not in AttentionInterface._global_mapping:
-        AttentionInterface.register(ATTENTION_NAME, grouped_sdpa_attention)
+        AttentionInterface.register(ATTENTION_NAME, decode_attention)
 
 
 @contextlib.contextmanager
-def grouped_attention(model) -> Iterator[None]:
-    """Route the model's attention layers through `grouped_sdpa_attention` for the duration."""
+def decode_attention_mode(model) -> Iterator[None]:
+    """Route the model's attention layers through `decode_attention` for the duration. With no mask function
+    registered for it, transformers hands the layers no mask."""
     _register_attention()
     previous = model.config._attn_implementation
     model.config._attn_implementation = ATTENTION_NAME
@@ -85,17 +125,17 @@ def _cache_base():
 
 
 class StaticKVCache(_cache_base()):
-    """Preallocated keys/values, (B, H_kv, L, D) per layer, allocated on the first prefill.
+    """Preallocated keys/values, (B, L, H_kv, D) per layer, allocated on the first prefill.
 
     Implements the part of transformers' Cache API that attention layers use (`update`); it subclasses `Cache`
     only so that type checks in model code accept it, and initialises none of its dynamic state.
     While `prefill_rows` is a slice, the prompts' keys/values go to those rows at positions [0, P) and are
-    returned as they are; a decode step writes position `write_index` of every row (a (1,) tensor, updated in
-    place between CUDA-graph replays) and returns the buffers.
+    returned as they are; a decode step writes row b's key/value at flat position `write_rows[b]` = b·L + its
+    position (a (B,) tensor, updated in place between CUDA-graph replays) and returns the buffers.
     """
 
-    def __init__(self, batch: int, max_len: int, write_index: torch.Tensor):
-        self.batch, self.max_len, self.write_index = batch, max_len, write_index
+    def __init__(self, batch: int, max_len: int, write_rows: torch.Tensor):
+        self.batch, self.max_len, self.write_rows = batch, max_len, write_rows
         self.prefill_rows: slice | None = None
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
@@ -103,16 +143,19 @@ class StaticKVCache(_cache_base()):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         if layer_idx == len(self.keys):
             _, kv_heads, _, head_dim = key_states.shape
-            shape = (self.batch, kv_heads, self.max_len, head_dim)
+            shape = (self.batch, self.max_len, kv_heads, head_dim)
             self.keys.append(key_states.new_zeros(shape))
             self.values.append(value_states.new_zeros(shape))
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
         if self.prefill_rows is not None:
-            self.keys[layer_idx][self.prefill_rows, :, : key_states.shape[2]].copy_(key_states)
-            self.values[layer_idx][self.prefill_rows, :, : value_states.shape[2]].copy_(value_states)
+            width = key_states.shape[2]
+            keys[self.prefill_rows, :width].copy_(key_states.transpose(1, 2))
+            values[self.prefill_rows, :width].copy_(value_states.transpose(1, 2))
             return key_states, value_states
-        self.keys[layer_idx].index_copy_(2, self.write_index, key_states)
-        self.values[layer_idx].index_copy_(2, self.write_index, value_states)
-        return self.keys[layer_idx], self.values[layer_idx]
+        flat = (self.batch * self.max_len, *keys.shape[2:])
+        keys.view(flat).index_copy_(0, self.write_rows, key_states[:, :, 0])
+        values.view(flat).index_copy_(0, self.write_rows, value_states[:, :, 0])
+        return keys, values
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
@@ -149,24 +192,28 @@ class _DecodeState:
         device = next(model.parameters()).device
         self.model, self.shape = model, (batch, max_len)
         self.input_ids = torch.zeros((batch, 1), dtype=torch.long, device=device)
-        self.position_ids = torch.zeros((batch, 1), dtype=torch.long, device=device)
-        self.write_index = torch.zeros(1, dtype=torch.long, device=device)
-        self.attend = torch.zeros((batch, max_len), dtype=torch.bool, device=device)
-        self.cache = StaticKVCache(batch, max_len, self.write_index)
+        self.positions = torch.zeros(batch, dtype=torch.long, device=device)  # of the token being fed
+        rows = torch.arange(batch + 1, dtype=torch.int32, device=device)
+        self.row_starts = rows[:-1].long() * max_len
+        self.write_rows = torch.zeros(batch, dtype=torch.long, device=device)
+        self.kv_lengths = torch.zeros(batch, dtype=torch.int32, device=device)
+        self.decode = (self.kv_lengths, rows, rows * max_len)  # DECODE_KWARG: lengths, cu_seqlens q and k
+        self.cache = StaticKVCache(batch, max_len, self.write_rows)
         self.graph, self.logits = None, None
         self.capture_s = 0.0
         self._use_cuda_graph = use_cuda_graph
 
     def forward_step(self) -> torch.Tensor:
         """One decode step on the buffers: (B, V) float32 logits of the next token."""
-        self.attend.index_fill_(1, self.write_index, True)
+        self.write_rows.copy_(self.row_starts + self.positions)
+        self.kv_lengths.copy_(self.positions + 1)
         output = self.model(
             input_ids=self.input_ids,
-            position_ids=self.position_ids,
-            attention_mask=self.attend[:, None, None, :],
+            position_ids=self.positions[:, None],
             past_key_values=self.cache,
             use_cache=True,
             logits_to_keep=1,
+            **{DECODE_KWARG: self.decode},
         )
         return output.logits[:, -1].float()
 
@@ -178,11 +225,11 @@ class _DecodeState:
 
     def capture(self) -> None:
         """On GPU, record one decode step in a CUDA graph (once per state). Runs before the prefill, which
-        resets the mask and cache positions that warm-up and capture wrote to."""
+        overwrites the cache positions that warm-up and capture wrote to."""
         if not self._use_cuda_graph or self.graph is not None:
             return
         start = time.perf_counter()
-        self.write_index.fill_(self.shape[1] - 1)
+        self.positions.fill_(self.shape[1] - 1)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -194,6 +241,15 @@ class _DecodeState:
             self.logits = self.forward_step()
         torch.cuda.synchronize()
         self.capture_s = time.perf_counter() - start
+
+
+def right_aligned(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompts (B, P) moved to the left of their rows (padding on the right); and their lengths."""
+    lengths = attention_mask.sum(dim=1)
+    width = input_ids.shape[1]
+    columns = torch.arange(width, device=input_ids.device)[None] + (width - lengths)[:, None]
+    moved = input_ids.gather(1, columns.clamp(max=width - 1))
+    return moved.masked_fill(columns >= width, pad_id), lengths
 
 
 class StaticDecoder:
@@ -225,24 +281,18 @@ class StaticDecoder:
     ) -> torch.Tensor:
         """Sampled ids (B, max_new_tokens) for left-padded prompts (B, P); after a sequence's end-of-turn
         token its row holds `pad_id`."""
-        input_ids, attention_mask = self._bucket(input_ids, attention_mask)
-        batch, width = input_ids.shape
-        max_len = width + params.max_new_tokens
-        if self.use_cuda_graphs:  # aligned key length: SDPA's masked kernels want a multiple of 16
+        prompts, lengths = right_aligned(input_ids, attention_mask, self.pad_id)
+        max_len = prompts.shape[1] + params.max_new_tokens
+        if self.use_cuda_graphs:  # fewer distinct shapes, so fewer graphs
             max_len += -max_len % PROMPT_BUCKET
-        state = self._state_for(batch, max_len)
+        state = self._state_for(prompts.shape[0], max_len)
         captured_before = state.capture_s
-        with grouped_attention(self.model):
+        with decode_attention_mode(self.model):
             state.capture()
-            logits = self._prefill(state, input_ids, attention_mask)
-            tokens = self._decode(state, logits, attention_mask.sum(dim=1), width, params, generator)
+            logits = self._prefill(state, prompts, lengths)
+            tokens = self._decode(state, logits, lengths, params, generator)
         self.last_capture_s = state.capture_s - captured_before
         return tokens
-
-    def _bucket(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-        """Extra left padding up to a multiple of PROMPT_BUCKET (masked, so results are unchanged)."""
-        extra = -input_ids.shape[1] % PROMPT_BUCKET if self.use_cuda_graphs else 0
-        return F.pad(input_ids, (extra, 0), value=self.pad_id), F.pad(attention_mask, (extra, 0), value=0)
 
     def _state_for(self, batch: int, max_len: int) -> _DecodeState:
         if self._state is None or self._state.shape != (batch, max_len):
@@ -250,36 +300,30 @@ class StaticDecoder:
             self._state = _DecodeState(self.model, batch, max_len, self.use_cuda_graphs)
         return self._state
 
-    def _prefill(
-        self, state: _DecodeState, input_ids: torch.Tensor, attention_mask: torch.Tensor
-    ) -> torch.Tensor:
-        """Run the prompts (B, P) in row chunks of at most PREFILL_TOKENS tokens, fill the cache, reset the
-        decode mask; (B, V) logits of the first new token."""
-        width = input_ids.shape[1]
-        keys = attention_mask.bool()
-        causal = torch.ones((width, width), dtype=torch.bool, device=self.device).tril()
-        eye = torch.eye(width, dtype=torch.bool, device=self.device)
-        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-        rows_per_chunk = max(1, PREFILL_TOKENS // width)
-        logits = []
+    def _prefill(self, state: _DecodeState, prompts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Run the right-padded prompts (B, P) causally in row chunks of at most PREFILL_TOKENS tokens, each chunk
+        cut to its longest prompt, filling the cache; (B, V) logits of the first new token."""
+        decoder, head = self.model.get_decoder(), self.model.get_output_embeddings()
+        host_lengths = lengths.tolist()
+        logits, start = [], 0
         try:
-            for start in range(0, input_ids.shape[0], rows_per_chunk):
-                rows = slice(start, start + rows_per_chunk)
-                mask = (causal[None] & keys[rows, None, :]) | eye[None]
-                state.cache.prefill_rows = rows
-                output = self.model(
-                    input_ids=input_ids[rows],
-                    position_ids=position_ids[rows],
-                    attention_mask=mask[:, None],
+            while start < len(host_lengths):
+                width = max(host_lengths[start:])  # an upper bound: rows are not assumed sorted
+                rows = max(1, PREFILL_TOKENS // width)
+                width = max(host_lengths[start : start + rows])
+                chunk = slice(start, start + rows)
+                state.cache.prefill_rows = chunk
+                hidden = decoder(
+                    input_ids=prompts[chunk, :width],
+                    position_ids=torch.arange(width, device=self.device)[None].expand(len(host_lengths[chunk]), -1),
                     past_key_values=state.cache,
                     use_cache=True,
-                    logits_to_keep=1,
-                )
-                logits.append(output.logits[:, -1].float())
+                ).last_hidden_state
+                last = hidden[torch.arange(hidden.shape[0], device=self.device), lengths[chunk] - 1]
+                logits.append(head(last).float())
+                start += rows
         finally:
             state.cache.prefill_rows = None
-        state.attend.zero_()
-        state.attend[:, :width] = keys
         return torch.cat(logits)
 
     def _decode(
@@ -287,7 +331,6 @@ class StaticDecoder:
         state: _DecodeState,
         logits: torch.Tensor,
         prompt_lengths: torch.Tensor,
-        width: int,
         params: SamplingParams,
         generator: torch.Generator,
     ) -> torch.Tensor:
@@ -305,7 +348,6 @@ class StaticDecoder:
             ):
                 break
             state.input_ids.copy_(next_tokens[:, None])
-            state.position_ids.copy_((prompt_lengths + step)[:, None])
-            state.write_index.fill_(width + step)
+            state.positions.copy_(prompt_lengths + step)
             logits = state.step()
         return tokens

@@ -1,5 +1,5 @@
-"""The static-cache decoder (issue 9) against transformers' generate on the tiny model, on CPU (no CUDA
-graphs)."""
+"""The static-cache decoder (issues 9, 17) against transformers' generate on the tiny model, on CPU (no CUDA
+graphs); its flash-attention decode path against the masked one on a GPU."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from SPA_agent.generators import SamplingParams
 from SPA_agent.generators.hf import HFGenerator
-from SPA_agent.generators.static_decode import filter_logits, grouped_sdpa_attention
+from SPA_agent.generators.static_decode import DECODE_KWARG, decode_attention, filter_logits, right_aligned
 
 REPEATS = [1, 12, 3, 40]
 
@@ -89,22 +89,67 @@ def test_filter_logits_matches_transformers_warpers():
     assert torch.equal(filter_logits(logits, -1, 1.0), logits)
 
 
-def test_grouped_decode_attention_equals_repeated_heads():
+class _Attention:
+    num_key_value_groups, is_causal = 3, True
+
+
+def _decode_inputs(device="cpu", dtype=torch.float32, batch=3, length=11, head_dim=8):
+    """Random one-token queries (B, 6, 1, D), a cache (B, L, 2, D) and per-row key counts (the first is 1)."""
+    gen = torch.Generator().manual_seed(0)
+    query = torch.randn(batch, 6, 1, head_dim, generator=gen)
+    key, value = (torch.randn(batch, length, 2, head_dim, generator=gen) for _ in range(2))
+    kv_lengths = torch.tensor([1, *torch.randint(2, length + 1, (batch - 1,), generator=gen).tolist()])
+    rows = torch.arange(batch + 1)
+    to = dict(device=device, dtype=dtype)
+    decode = (kv_lengths.int().to(device), rows.int().to(device), (rows * length).int().to(device))
+    return query.to(**to), key.to(**to), value.to(**to), kv_lengths, decode
+
+
+def _reference_decode(query, key, value, kv_lengths):
+    """Every query head against its repeated key/value head, keys past each row's length masked out."""
     from transformers.integrations.sdpa_attention import repeat_kv
 
-    gen = torch.Generator().manual_seed(0)
-    query, key, value = (torch.randn(3, h, q, 8, generator=gen) for h, q in ((6, 1), (2, 11), (2, 11)))
-    mask = torch.rand(3, 1, 1, 11, generator=gen) > 0.3
-    mask[..., 0] = True
+    key, value = (repeat_kv(t.transpose(1, 2).float(), 3) for t in (key, value))
+    mask = torch.arange(key.shape[2], device=key.device) < kv_lengths.to(key.device)[:, None]
+    out = torch.nn.functional.scaled_dot_product_attention(query.float(), key, value, attn_mask=mask[:, None, None],
+                                                           scale=0.5)
+    return out.transpose(1, 2)
 
-    class Module:
-        num_key_value_groups = 3
 
-    output, _ = grouped_sdpa_attention(Module(), query, key, value, mask, scaling=0.5)
+def test_decode_attention_reads_each_rows_prefix_of_the_cache():
+    query, key, value, kv_lengths, decode = _decode_inputs()
+    output, _ = decode_attention(_Attention(), query, key, value, None, scaling=0.5, **{DECODE_KWARG: decode})
+    torch.testing.assert_close(output, _reference_decode(query, key, value, kv_lengths))
+    # what lies past a row's length never matters: the unwritten tail and right padding
+    key[0, 1:], value[0, 1:] = 1e4, -1e4
+    again, _ = decode_attention(_Attention(), query, key, value, None, scaling=0.5, **{DECODE_KWARG: decode})
+    torch.testing.assert_close(again, output)
+
+
+def test_prefill_attention_is_causal_over_the_chunk():
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    gen = torch.Generator().manual_seed(1)
+    query, key, value = (torch.randn(2, h, 5, 8, generator=gen) for h in (6, 2, 2))
+    output, _ = decode_attention(_Attention(), query, key, value, None, scaling=0.5)
     expected = torch.nn.functional.scaled_dot_product_attention(
-        query, repeat_kv(key, 3), repeat_kv(value, 3), attn_mask=mask, scale=0.5
+        query, repeat_kv(key, 3), repeat_kv(value, 3), is_causal=True, scale=0.5
     ).transpose(1, 2)
     torch.testing.assert_close(output, expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash attention's decode kernel needs a CUDA GPU")
+def test_flash_decode_equals_masked_reference_on_gpu():
+    query, key, value, kv_lengths, decode = _decode_inputs("cuda", torch.bfloat16, batch=16, length=300, head_dim=64)
+    output, _ = decode_attention(_Attention(), query, key, value, None, scaling=0.5, **{DECODE_KWARG: decode})
+    torch.testing.assert_close(output.float(), _reference_decode(query, key, value, kv_lengths), atol=2e-2, rtol=0)
+
+
+def test_right_aligned_moves_prompts_to_the_start_of_their_rows():
+    input_ids = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 4], [0, 0, 0, 3]])
+    prompts, lengths = right_aligned(input_ids, (input_ids != 0).long(), pad_id=0)
+    assert prompts.tolist() == [[5, 6, 0, 0], [7, 8, 9, 4], [3, 0, 0, 0]]
+    assert lengths.tolist() == [2, 4, 1]
 
 
 def test_one_token_prompts_match_generate(varied_model, tiny_tokenizer):
