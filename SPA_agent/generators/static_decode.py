@@ -11,10 +11,10 @@ dominates decoding time for GQA models at large batch. Here:
   longest prompt) causally, without a mask, so SDPA takes its flash kernel; the first new token's logits come
   from each row's last prompt position;
 - each decode step feeds one token per sequence. On CUDA with bf16/fp16 weights, attention is flash attention's
-  variable-length kernel reading each row's first `kv_lengths[b]` keys (`seqused_k`), the G = H / H_kv query
-  heads sharing a key/value head entering as G query rows: keys and values are read once, never copied, and
-  padding and the unwritten tail are never read. On other devices and dtypes the same prefix is masked in one
-  SDPA call with the same grouping;
+  variable-length kernel reading each row's first `kv_lengths[b]` keys (`seqused_k`) with grouped-query heads
+  natively: keys and values are read once, never copied, and padding and the unwritten tail are never read. On
+  other devices and dtypes the same prefix is masked in one SDPA call whose query rows are the G = H / H_kv query
+  heads sharing a key/value head;
 - on GPU the decode step (forward + cache bookkeeping) is captured once per (B, L) in a CUDA graph and replayed,
   which removes the per-kernel launch overhead of a 24–28-layer model;
 - sampling (temperature → top-k → top-p → multinomial, as transformers orders its warpers; argmax at
@@ -39,8 +39,7 @@ from SPA_agent.generators.base import SamplingParams
 
 ATTENTION_NAME = "spa_decode_attention"
 #: keyword argument the decode step passes down to the attention layers: (kv_lengths (B,) int32, cu_seqlens_q
-#: (B+1,) int32 = [0, G, 2G, ...] with G query heads per key/value head, cu_seqlens_k (B+1,) int32 = [0, L, 2L,
-#: ...]), see `decode_attention` and `flash_decode`
+#: (B+1,) int32, cu_seqlens_k (B+1,) int32), see `decode_attention`
 DECODE_KWARG = "spa_decode"
 # On GPU, cache lengths are multiples of this, so batches of similar length share a graph.
 PROMPT_BUCKET = 64
@@ -76,22 +75,15 @@ def decode_attention(module, query, key, value, attention_mask, dropout=0.0, sca
 
 def flash_decode(query, key, value, kv_lengths, cu_q, cu_k, scaling=None) -> torch.Tensor:
     """Flash attention's variable-length kernel: query (B, H, 1, D), cache (B, L, H_kv, D), row b reading its
-    first kv_lengths[b] keys; (B, 1, H, D).
-
-    The G = H / H_kv query heads that share a key/value head enter as G query rows of one sequence with H_kv
-    heads (cu_q = [0, G, 2G, ...]; flash attention's own trick for one-token decoding, which its variable-length
-    entry point does not apply): each row's keys and values are then read once per key/value head instead of
-    once per query head.
-    """
+    first kv_lengths[b] keys; (B, 1, H, D)."""
     batch, heads, _, head_dim = query.shape
     length, kv_heads = key.shape[1], key.shape[2]
-    groups = heads // kv_heads
-    rows = query.reshape(batch, kv_heads, groups, head_dim).transpose(1, 2).reshape(batch * groups, kv_heads, head_dim)
     output = torch.ops.aten._flash_attention_forward(
-        rows, key.view(batch * length, kv_heads, head_dim), value.view(batch * length, kv_heads, head_dim),
-        cu_q, cu_k, groups, length, 0.0, False, False, scale=scaling, seqused_k=kv_lengths,
+        query.reshape(batch, heads, head_dim), key.view(batch * length, kv_heads, head_dim),
+        value.view(batch * length, kv_heads, head_dim), cu_q, cu_k, 1, length, 0.0, False, False,
+        scale=scaling, seqused_k=kv_lengths,
     )[0]
-    return output.view(batch, groups, kv_heads, head_dim).transpose(1, 2).reshape(batch, 1, heads, head_dim)
+    return output.view(batch, 1, heads, head_dim)
 
 
 def masked_decode(query, key, value, kv_lengths, scaling=None) -> torch.Tensor:
@@ -205,10 +197,7 @@ class _DecodeState:
         self.row_starts = rows[:-1].long() * max_len
         self.write_rows = torch.zeros(batch, dtype=torch.long, device=device)
         self.kv_lengths = torch.zeros(batch, dtype=torch.int32, device=device)
-        config = model.config
-        groups = config.num_attention_heads // (getattr(config, "num_key_value_heads", None)
-                                                 or config.num_attention_heads)
-        self.decode = (self.kv_lengths, rows * groups, rows * max_len)  # DECODE_KWARG
+        self.decode = (self.kv_lengths, rows, rows * max_len)  # DECODE_KWARG: lengths, cu_seqlens q and k
         self.cache = StaticKVCache(batch, max_len, self.write_rows)
         self.graph, self.logits = None, None
         self.capture_s = 0.0

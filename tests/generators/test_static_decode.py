@@ -94,15 +94,14 @@ class _Attention:
 
 
 def _decode_inputs(device="cpu", dtype=torch.float32, batch=3, length=11, head_dim=8):
-    """Random one-token queries (B, 6, 1, D), a cache (B, L, 2, D), per-row key counts (the first is 1) and the
-    decode tuple (3 query heads per key/value head)."""
+    """Random one-token queries (B, 6, 1, D), a cache (B, L, 2, D) and per-row key counts (the first is 1)."""
     gen = torch.Generator().manual_seed(0)
     query = torch.randn(batch, 6, 1, head_dim, generator=gen)
     key, value = (torch.randn(batch, length, 2, head_dim, generator=gen) for _ in range(2))
     kv_lengths = torch.tensor([1, *torch.randint(2, length + 1, (batch - 1,), generator=gen).tolist()])
     rows = torch.arange(batch + 1)
     to = dict(device=device, dtype=dtype)
-    decode = (kv_lengths.int().to(device), (rows * 3).int().to(device), (rows * length).int().to(device))
+    decode = (kv_lengths.int().to(device), rows.int().to(device), (rows * length).int().to(device))
     return query.to(**to), key.to(**to), value.to(**to), kv_lengths, decode
 
 
