@@ -16,10 +16,13 @@ PHASES = {"generation", "old_log_prob", "ref", "values", "update_critic", "updat
 
 @pytest.mark.slow
 def test_smoke_run_prints_every_phase(tmp_path):
+    overrides = ["actor_rollout_ref.model.enable_gradient_checkpointing=False"]
     result = subprocess.run(
-        [sys.executable, "benchmarks/ppo_step.py", "--smoke", "--json", str(tmp_path / "step.json")], cwd=ROOT,
+        [sys.executable, "benchmarks/ppo_step.py", "--smoke", "--json", str(tmp_path / "step.json"),
+         "--profile", "update_actor", "--override", *overrides], cwd=ROOT,
         capture_output=True, text=True, timeout=300, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
+    assert "Self CPU time total" in result.stdout  # the update's kernel table
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert json.loads((tmp_path / "step.json").read_text()) == lines
     assert {line["metric"].removeprefix("ppo_step/") for line in lines} == PHASES
@@ -28,3 +31,4 @@ def test_smoke_run_prints_every_phase(tmp_path):
     assert 0 < total["sampled_tokens"] <= 8 * 2 * 16  # 8 trajectories × 2 turns × at most 16 tokens
     assert total["train_tokens"] > 0
     assert total["micro"] == "packed" and total["budget"] == 64  # token-budget packed micro-batches
+    assert total["overrides"] == overrides
