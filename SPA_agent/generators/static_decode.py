@@ -10,11 +10,11 @@ dominates decoding time for GQA models at large batch. Here:
 - prefill runs the prompts right-padded (row chunks of at most PREFILL_TOKENS tokens, each chunk as wide as its
   longest prompt) causally, without a mask, so SDPA takes its flash kernel; the first new token's logits come
   from each row's last prompt position;
-- each decode step feeds one token per sequence. On CUDA with bf16/fp16 weights, attention is flash attention's
-  variable-length kernel reading each row's first `kv_lengths[b]` keys (`seqused_k`) with grouped-query heads
-  natively: keys and values are read once, never copied, and padding and the unwritten tail are never read. On
-  other devices and dtypes the same prefix is masked in one SDPA call whose query rows are the G = H / H_kv query
-  heads sharing a key/value head;
+- each decode step feeds one token per sequence. On an Ampere or newer GPU with bf16/fp16 weights, attention is
+  flash attention's variable-length kernel reading each row's first `kv_lengths[b]` keys (`seqused_k`), with
+  grouped-query heads natively: keys and values are never copied, and padding and the unwritten tail are never
+  read. Elsewhere the same prefix is masked in one SDPA call whose query rows are the G = H / H_kv query heads
+  sharing a key/value head;
 - on GPU the decode step (forward + cache bookkeeping) is captured once per (B, L) in a CUDA graph and replayed,
   which removes the per-kernel launch overhead of a 24–28-layer model;
 - sampling (temperature → top-k → top-p → multinomial, as transformers orders its warpers; argmax at
@@ -29,6 +29,7 @@ dispatch through transformers' attention interface (Llama, Qwen2, Mistral, ...);
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Iterator
 
@@ -47,12 +48,18 @@ CHECK_EVERY = 16  # decode steps between checks whether every sequence has finis
 PREFILL_TOKENS = 32768  # prompt tokens (rows × chunk width) per prefill forward; at least one row
 
 
+@functools.cache
+def _flash_capable(device: torch.device) -> bool:
+    """PyTorch's flash attention kernels need an Ampere or newer NVIDIA GPU (compute capability 8.0)."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 8
+
+
 def uses_flash_decode(query: torch.Tensor) -> bool:
-    """Whether decode attention for this query runs flash attention's variable-length kernel (CUDA, half
-    precision, a head size flash attention supports)."""
+    """Whether decode attention for this query runs flash attention's variable-length kernel (an Ampere or newer
+    CUDA GPU, half precision, a head size flash attention supports)."""
     head_dim = query.shape[-1]
     return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0
-            and head_dim <= 256)
+            and head_dim <= 256 and _flash_capable(query.device))
 
 
 def decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
