@@ -250,8 +250,9 @@ class _DecodeState:
         self.capture_s = time.perf_counter() - start
 
 
-def right_aligned(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded prompts (B, P) moved to the left of their rows (padding on the right); and their lengths."""
+def left_aligned(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_id: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompts (B, P) moved to the start of their rows (padding on the right); and their lengths."""
     lengths = attention_mask.sum(dim=1)
     width = input_ids.shape[1]
     columns = torch.arange(width, device=input_ids.device)[None] + (width - lengths)[:, None]
@@ -288,7 +289,7 @@ class StaticDecoder:
     ) -> torch.Tensor:
         """Sampled ids (B, max_new_tokens) for left-padded prompts (B, P); after a sequence's end-of-turn
         token its row holds `pad_id`."""
-        prompts, lengths = right_aligned(input_ids, attention_mask, self.pad_id)
+        prompts, lengths = left_aligned(input_ids, attention_mask, self.pad_id)
         max_len = prompts.shape[1] + params.max_new_tokens
         if self.use_cuda_graphs:  # fewer distinct shapes, so fewer graphs
             max_len += -max_len % PROMPT_BUCKET
@@ -315,20 +316,20 @@ class StaticDecoder:
         logits, start = [], 0
         try:
             while start < len(host_lengths):
-                width = max(host_lengths[start:])  # an upper bound: rows are not assumed sorted
-                rows = max(1, PREFILL_TOKENS // width)
-                width = max(host_lengths[start : start + rows])
-                chunk = slice(start, start + rows)
+                # rows of at most PREFILL_TOKENS tokens at the longest remaining prompt (rows need not be sorted)
+                chunk = slice(start, start + max(1, PREFILL_TOKENS // max(host_lengths[start:])))
+                width = max(host_lengths[chunk])
                 state.cache.prefill_rows = chunk
+                input_ids = prompts[chunk, :width]
                 hidden = decoder(
-                    input_ids=prompts[chunk, :width],
-                    position_ids=torch.arange(width, device=self.device)[None].expand(len(host_lengths[chunk]), -1),
+                    input_ids=input_ids,
+                    position_ids=torch.arange(width, device=self.device).expand_as(input_ids),
                     past_key_values=state.cache,
                     use_cache=True,
                 ).last_hidden_state
                 last = hidden[torch.arange(hidden.shape[0], device=self.device), lengths[chunk] - 1]
                 logits.append(head(last).float())
-                start += rows
+                start = chunk.stop
         finally:
             state.cache.prefill_rows = None
         return torch.cat(logits)

@@ -10,7 +10,7 @@ import torch
 
 from SPA_agent.generators import SamplingParams
 from SPA_agent.generators.hf import HFGenerator
-from SPA_agent.generators.static_decode import DECODE_KWARG, decode_attention, filter_logits, right_aligned
+from SPA_agent.generators.static_decode import DECODE_KWARG, decode_attention, filter_logits, left_aligned
 
 REPEATS = [1, 12, 3, 40]
 
@@ -145,9 +145,9 @@ def test_flash_decode_equals_masked_reference_on_gpu():
     torch.testing.assert_close(output.float(), _reference_decode(query, key, value, kv_lengths), atol=2e-2, rtol=0)
 
 
-def test_right_aligned_moves_prompts_to_the_start_of_their_rows():
+def test_left_aligned_moves_prompts_to_the_start_of_their_rows():
     input_ids = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 4], [0, 0, 0, 3]])
-    prompts, lengths = right_aligned(input_ids, (input_ids != 0).long(), pad_id=0)
+    prompts, lengths = left_aligned(input_ids, (input_ids != 0).long(), pad_id=0)
     assert prompts.tolist() == [[5, 6, 0, 0], [7, 8, 9, 4], [3, 0, 0, 0]]
     assert lengths.tolist() == [2, 4, 1]
 
