@@ -12,9 +12,8 @@ decoder's cache is filled by a prefill of B prompts of C random ids, then timed 
   on GPU) and one masked SDPA call (`masked`, its path elsewhere), times the number of layers (so it compares
   with `step`).
 
---profile adds a torch.profiler table (eager steps, no CUDA graph) of the kernels by GPU time. --variants also
-times the step of the model patched by liger-kernel (RMSNorm, SwiGLU, RoPE) and then, on top, of a
-torch.compile'd forward.
+--profile adds a torch.profiler table (eager steps, no CUDA graph) of the kernels by GPU time. --liger also times
+prefill and step of the model patched by liger-kernel (RMSNorm, SwiGLU, RoPE).
 
     python benchmarks/decode_step.py --shape 0.5b --batch 256 --contexts 700 1500 2300 --profile
 """
@@ -26,6 +25,7 @@ import json
 import statistics
 
 import torch
+from generation import build_model
 from model_shapes import SHAPES
 
 from SPA_agent.generators.base import SamplingParams
@@ -37,14 +37,6 @@ from SPA_agent.generators.static_decode import (
     masked_decode,
     sample,
 )
-
-
-def build_model(shape: str):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768)
-    return Qwen2ForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).eval()
 
 
 def cuda_ms(fn, repeats: int) -> float:
@@ -134,15 +126,14 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[700, 1500, 2300])
     parser.add_argument("--steps", type=int, default=64, help="timed decode steps per measurement")
     parser.add_argument("--profile", action="store_true", help="print a kernel table at the longest context")
-    parser.add_argument("--variants", nargs="*", default=[], choices=("liger", "compile"),
-                        help="also time the step of these model variants")
+    parser.add_argument("--liger", action="store_true", help="also time the model patched by liger-kernel")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("decode_step.py needs a CUDA GPU")
     from SPA_agent.trainer.packing import avoid_cudnn_attention
 
     avoid_cudnn_attention()  # as the local backend runs
-    model = build_model(args.shape)
+    model = build_model(args.shape, torch.device("cuda"))
     for context in args.contexts:
         prefill_ms, step_ms = time_step(model, args, context)
         row = {"shape": args.shape, "batch": args.batch, "context": context,
@@ -158,19 +149,15 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     if args.profile:
         print(profile_table(model, args, max(args.contexts)), flush=True)
-    for variant in args.variants:
-        if variant == "liger":
-            from liger_kernel.transformers import apply_liger_kernel_to_qwen2
+    if args.liger:
+        from liger_kernel.transformers import apply_liger_kernel_to_qwen2
 
-            apply_liger_kernel_to_qwen2(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                        fused_linear_cross_entropy=False, model=model)
-        else:
-            model.forward = torch.compile(model.forward, dynamic=False)
+        apply_liger_kernel_to_qwen2(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=False, model=model)
         for context in args.contexts:
             prefill_ms, step_ms = time_step(model, args, context)
-            print(json.dumps({"variant": variant, "context": context, "prefill_ms": round(prefill_ms, 2),
+            print(json.dumps({"variant": "liger", "context": context, "prefill_ms": round(prefill_ms, 2),
                               "step_ms": round(step_ms, 3)}), flush=True)
-
 
 if __name__ == "__main__":
     main()
