@@ -27,7 +27,7 @@ from SPA_agent.atomic_io import write_text
 from SPA_agent.compile_cache import use_persistent_compile_cache
 from SPA_agent.config import CONFIG_DIR
 from SPA_agent.dir_lock import DirLock, check_unlocked, check_writable
-from SPA_agent.entry import apply_system_env, exit_on_user_error, load_tokenizer
+from SPA_agent.entry import apply_system_env, exit_on_interrupt, exit_on_user_error, load_tokenizer
 
 #: config keys that do not change a run's content (the starting models enter its identity by checksum)
 IDENTITY_IGNORED = ("trainer.default_local_dir", "trainer.project_name", "trainer.experiment_name", "trainer.logger",
@@ -141,8 +141,10 @@ def _copy_environment(cfg: DictConfig) -> None:
 @hydra.main(config_path=str(CONFIG_DIR), config_name="_2_sokoban", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     _copy_environment(cfg)
+    resume_hint = (f"the checkpoints saved so far are in {cfg.trainer.default_local_dir}; the same command with "
+                   "trainer.resume_mode=auto (RESUME=1 in the scripts) continues from the latest")
     try:
-        with exit_on_user_error():
+        with exit_on_user_error(), exit_on_interrupt(resume_hint):
             output_dir = run(cfg)
     except torch.OutOfMemoryError:
         print(f"error: {OOM_ADVICE}", file=sys.stderr)

@@ -1,0 +1,115 @@
+"""Bad settings and Ctrl-C at the entry points (issue 29): one line on stderr and the documented exit status,
+before any batch, rollout or training step."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from SPA_agent.config import compose
+from SPA_agent.entry import EXIT_INTERRUPTED, EXIT_USAGE
+from SPA_agent.evaluate import default_ks, prepare_eval_config
+from SPA_agent.generate_sft_data import prepare_data_gen_config
+from SPA_agent.trainer.config_checks import check_config
+
+
+def run_entry(monkeypatch, module, argv: list[str]) -> int:
+    """Call the Hydra entry point `module.main` in this process with `argv`; its exit status."""
+    monkeypatch.setattr(sys, "argv", [module.__name__, *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        module.main()
+    return exit_info.value.code
+
+
+def must_not_run(*args, **kwargs):
+    raise AssertionError("the stage started despite a bad setting")
+
+
+@pytest.mark.parametrize("value, message", [
+    ("1.5", "data_gen.val_fraction must be in [0, 1), got 1.5"),
+    ("1", "data_gen.val_fraction must be in [0, 1), got 1"),
+    ("abc", "data_gen.val_fraction must be a number, got 'abc'"),
+])
+def test_data_generation_refuses_a_bad_val_fraction_before_the_first_batch(monkeypatch, capsys, value, message):
+    from SPA_agent import generate_sft_data
+
+    monkeypatch.setattr(generate_sft_data, "generate", must_not_run)
+    code = run_entry(monkeypatch, generate_sft_data, ["--config-name", "_2_sokoban", "model=tiny",
+                                                      f"data_gen.val_fraction={value}"])
+    assert code == EXIT_USAGE and capsys.readouterr().err == f"error: {message}\n"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data_gen.split_by=turn", "data_gen.split_by must be one of ('trajectory', 'row'), got 'turn'"),
+    ("data_gen.split_seed=-1", "data_gen.split_seed must be >= 0, got -1"),
+    ("data_gen.num_batches=0", "data_gen.num_batches must be >= 1, got 0"),
+    ("data_gen.write_csv=maybe", "data_gen.write_csv must be true or false, got 'maybe'"),
+])
+def test_every_data_gen_setting_is_checked_up_front(override, message):
+    with pytest.raises(ValueError, match=f"^{message.replace('(', '.').replace(')', '.')}$"):
+        prepare_data_gen_config(compose("_2_sokoban", ["model=tiny", override]), "_2_sokoban")
+
+
+MESSAGE = "actor_rollout_ref.rollout.response_length must be >= 1, got 0"
+
+
+def test_a_zero_response_length_is_refused_by_every_stage():
+    overrides = ["model=tiny", "actor_rollout_ref.rollout.response_length=0"]
+    with pytest.raises(ValueError, match=f"^{MESSAGE}$"):
+        prepare_data_gen_config(compose("_2_sokoban", overrides), "_2_sokoban")
+    with pytest.raises(ValueError, match=f"^{MESSAGE}$"):
+        prepare_eval_config(compose("_2_sokoban", overrides), "_2_sokoban")
+    with pytest.raises(ValueError, match=f"^{MESSAGE}$"):
+        check_config(compose("_2_sokoban", overrides))
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two"])
+def test_evaluation_refuses_a_bad_num_puzzles_by_the_key_typed(monkeypatch, capsys, value):
+    from SPA_agent import evaluate
+
+    monkeypatch.setattr(evaluate, "evaluate", must_not_run)
+    code = run_entry(monkeypatch, evaluate, ["--config-name", "_2_sokoban", "model=tiny",
+                                             f"evaluation.num_puzzles={value}"])
+    expected = "must be an integer, got 'two'" if value == "two" else f"must be >= 1, got {value}"
+    assert code == EXIT_USAGE and capsys.readouterr().err == f"error: evaluation.num_puzzles {expected}\n"
+
+
+@pytest.mark.parametrize("n, ks", [(1, [1]), (2, [1, 2]), (6, [1, 2, 4, 6]), (8, [1, 2, 4, 8]), (9, [1, 2, 4, 8, 9])])
+def test_the_default_k_follows_n(n, ks):
+    assert default_ks(n) == ks
+    cfg = prepare_eval_config(compose("_2_sokoban", [f"evaluation.n={n}"]), "_2_sokoban")
+    assert list(cfg.evaluation.k) == ks and cfg.es_manager.val.group_size == n
+
+
+def test_an_explicit_k_above_n_is_still_refused():
+    with pytest.raises(ValueError, match=r"^evaluation.k=\[1, 4\] must lie in \[1, evaluation.n=2\]"):
+        prepare_eval_config(compose("_2_sokoban", ["evaluation.n=2", "evaluation.k=[1,4]"]), "_2_sokoban")
+
+
+def interrupt(*args, **kwargs):
+    raise KeyboardInterrupt
+
+
+def test_ctrl_c_in_data_generation_is_one_line_and_status_130(monkeypatch, capsys, tmp_path):
+    from SPA_agent import generate_sft_data
+
+    monkeypatch.setattr(generate_sft_data, "generate", interrupt)
+    code = run_entry(monkeypatch, generate_sft_data, ["--config-name", "_2_sokoban", "model=tiny",
+                                                      f"data_gen.output_dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert code == EXIT_INTERRUPTED == 130
+    assert err == (f"interrupted: finished batches are kept in {tmp_path}/.partial; the same command continues "
+                   "after them (data_gen.resume=true; RESUME=1 in the scripts)\n")
+
+
+def test_ctrl_c_in_ppo_is_one_line_and_status_130(monkeypatch, capsys, tmp_path):
+    from SPA_agent.trainer import main_ppo
+
+    monkeypatch.setattr(main_ppo, "run", interrupt)
+    code = run_entry(monkeypatch, main_ppo, ["--config-name", "_2_sokoban", "model=tiny",
+                                             f"trainer.default_local_dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert code == EXIT_INTERRUPTED
+    assert err == (f"interrupted: the checkpoints saved so far are in {tmp_path}; the same command with "
+                   "trainer.resume_mode=auto (RESUME=1 in the scripts) continues from the latest\n")
