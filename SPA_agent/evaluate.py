@@ -28,6 +28,7 @@ from SPA_agent.dir_lock import DirLock, check_unlocked, check_writable
 from SPA_agent.entry import apply_system_env, check_number, exit_on_user_error, load_tokenizer, prepare_config
 from SPA_agent.generators.base import FINISH_ERROR, Generation, Prompt
 from SPA_agent.passk import pass_any, passk_summary
+from SPA_agent.progress import quiet_library_progress
 from SPA_agent.worldmodel import worldmodel_accuracy
 
 EXIT_INCOMPLETE = 1
@@ -233,6 +234,7 @@ def format_result(result: Mapping) -> str:
 
 @hydra.main(config_path=str(CONFIG_DIR), version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    quiet_library_progress()
     with exit_on_user_error():
         cfg = prepare_eval_config(cfg)
         apply_system_env(cfg)

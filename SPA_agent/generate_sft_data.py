@@ -16,7 +16,6 @@ import json
 import math
 import os
 import shutil
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -40,7 +39,7 @@ from SPA_agent.entry import (
     load_tokenizer,
     prepare_config,
 )
-from SPA_agent.progress import progress_bar
+from SPA_agent.progress import progress_bar, quiet_library_progress
 from SPA_agent.worldmodel import substitute_states
 
 DATA_FILES = ("wm_train.parquet", "wm_val.parquet")
@@ -211,8 +210,6 @@ def run_batches(cfg: DictConfig, proxy, partial: Path, resume: bool) -> list[dic
                  "stats": trajectory_stats(rollout.states).as_dict(), "proxy_state": proxy.state_dict()}
         atomic_io.write_json(partial / f"batch_{b:05d}.json", shard)
         shards.append(shard)
-        if not sys.stderr.isatty():
-            print(f"batch {b + 1}/{dg.num_batches} done", flush=True)
     return shards
 
 
@@ -324,6 +321,7 @@ def check_data_gen_settings(cfg: DictConfig) -> None:
 
 @hydra.main(config_path=str(CONFIG_DIR), version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    quiet_library_progress()
     with exit_on_user_error():
         cfg = prepare_data_gen_config(cfg)
     resume_hint = (f"finished batches are kept in {Path(cfg.data_gen.output_dir) / PARTIAL_DIR}; the same command "

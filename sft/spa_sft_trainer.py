@@ -52,7 +52,7 @@ from SPA_agent import atomic_io, run_identity
 from SPA_agent.compile_cache import use_persistent_compile_cache
 from SPA_agent.datagen_card import check_dataset_complete
 from SPA_agent.dir_lock import DirLock, check_unlocked, check_writable
-from SPA_agent.progress import progress_bar
+from SPA_agent.progress import progress_bar, quiet_library_progress
 from SPA_agent.tiny import resolve_model_path
 
 FLEX_PAD_MULTIPLE = 512
@@ -447,6 +447,7 @@ def main(cfg: DictConfig) -> None:
         cfg.trainer.wandb_mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
     preflight = cfg.trainer.get("preflight_nproc")
     use_persistent_compile_cache()
+    quiet_library_progress()
     trainer = SftTrainer(cfg, rank, preflight or world, local_rank, init_method)
     try:
         if preflight:

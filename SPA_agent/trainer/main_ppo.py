@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import random
 import sys
+import time
 from pathlib import Path
 
 import hydra
@@ -28,6 +29,7 @@ from SPA_agent.compile_cache import use_persistent_compile_cache
 from SPA_agent.config import CONFIG_DIR
 from SPA_agent.dir_lock import DirLock, check_unlocked, check_writable
 from SPA_agent.entry import apply_system_env, exit_on_interrupt, exit_on_user_error, load_tokenizer
+from SPA_agent.progress import quiet_library_progress
 
 #: config keys that do not change a run's content (the starting models enter its identity by checksum)
 IDENTITY_IGNORED = ("trainer.default_local_dir", "trainer.project_name", "trainer.experiment_name", "trainer.logger",
@@ -102,8 +104,11 @@ def build_trainer(cfg: DictConfig, lock: DirLock):
     resume = run_identity.check_run_dir(output_dir, identity, cfg.trainer.resume_mode == "auto", OWNED_OUTPUTS,
                                         FRESH_HINT)
     seed_everything(cfg.trainer.seed)
+    print(f"loading the models from {cfg.actor_rollout_ref.model.path} ({cfg.trainer.backend} backend)", flush=True)
+    start = time.perf_counter()
     backend = load_backend(cfg, tokenizer)
-    proxy = LLMAgentProxy(cfg, backend, tokenizer, mode=cfg.ctx_manager.mode)
+    print(f"models loaded ({time.perf_counter() - start:.0f} s)", flush=True)
+    proxy = LLMAgentProxy(cfg, backend, tokenizer, mode=cfg.ctx_manager.mode, progress=True)
     lock.acquire()
     if not resume:
         run_identity.reset_run_dir(output_dir, identity, OWNED_OUTPUTS)
@@ -140,6 +145,7 @@ def _copy_environment(cfg: DictConfig) -> None:
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="_2_sokoban", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    quiet_library_progress()
     _copy_environment(cfg)
     resume_hint = (f"the checkpoints saved so far are in {cfg.trainer.default_local_dir}; the same command with "
                    "trainer.resume_mode=auto (RESUME=1 in the scripts) continues from the latest")

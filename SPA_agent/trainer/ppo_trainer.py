@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from verl import DataProto
 from verl.trainer.ppo import core_algos
 
-from SPA_agent.progress import progress_bar
+from SPA_agent.progress import plain_line, progress_bar
 from SPA_agent.trainer import algos, checkpoint
 from SPA_agent.trainer.backend import WorkerGroup
 from SPA_agent.trainer.diagnostics import Diagnostics
@@ -58,8 +58,8 @@ class PPOTrainer:
         if self.global_step == 0 and trainer_cfg.val_before_train and trainer_cfg.test_freq > 0:
             self.logger.log(self.validate(), step=0)
         steps = range(self.global_step + 1, self.total_steps + 1)
-        for step in progress_bar(steps, desc="ppo", initial=self.global_step, total=self.total_steps):
-            timer = PhaseTimer()
+        for step in progress_bar(steps, desc="ppo", initial=self.global_step, total=self.total_steps, lines=False):
+            timer = PhaseTimer(report=lambda phase, seconds, step=step: _report_phase(step, phase, seconds))
             with timer("step"):
                 metrics = self.train_step(step, timer)
                 last = step == self.total_steps
@@ -191,6 +191,12 @@ class PPOTrainer:
         self.logger.truncate_after(step)
         tqdm.write(f"resumed from {checkpoint.step_dir(self.output_dir, step)}")
         return step
+
+
+def _report_phase(step: int, phase: str, seconds: float) -> None:
+    """A redirected log's line per finished phase (the whole step is the metric logger's line)."""
+    if phase != "step":
+        plain_line(f"step {step}: {phase} done ({seconds:.1f} s)")
 
 
 def _turns(batch: DataProto, algo: DictConfig) -> dict | None:

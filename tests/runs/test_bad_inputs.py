@@ -113,3 +113,58 @@ def test_ctrl_c_in_ppo_is_one_line_and_status_130(monkeypatch, capsys, tmp_path)
     assert code == EXIT_INTERRUPTED
     assert err == (f"interrupted: the checkpoints saved so far are in {tmp_path}; the same command with "
                    "trainer.resume_mode=auto (RESUME=1 in the scripts) continues from the latest\n")
+
+
+def test_redirected_evaluation_prints_a_line_per_turn(tmp_path, capsys):
+    from SPA_agent.evaluate import evaluate
+
+    cfg = prepare_eval_config(compose("_2_sokoban", [
+        "model=tiny", "generator=random", "evaluation.num_puzzles=2", "agent_proxy.max_turn=2",
+        "actor_rollout_ref.rollout.response_length=8", "evaluation.write_plots=false",
+        f"evaluation.output_dir={tmp_path}"]), "_2_sokoban")
+    evaluate(cfg)
+    err = capsys.readouterr().err
+    assert err == "val rollout turns 1/2 done (0 s)\nval rollout turns 2/2 done (0 s)\n"
+
+
+def test_ppo_reports_each_phase_of_a_step_as_it_ends(capsys):
+    from SPA_agent.trainer.metrics import PhaseTimer
+    from SPA_agent.trainer.ppo_trainer import _report_phase
+
+    timer = PhaseTimer(report=lambda phase, seconds: _report_phase(3, phase, round(seconds)))
+    with timer("step"):
+        with timer("gen"):
+            pass
+        with timer("update_actor"):
+            pass
+    assert capsys.readouterr().err == "step 3: gen done (0.0 s)\nstep 3: update_actor done (0.0 s)\n"
+    assert set(timer.metrics()) == {"timing_s/step", "timing_s/gen", "timing_s/update_actor"}
+
+
+@pytest.fixture
+def quiet_libraries():
+    """The entry points' `quiet_library_progress` (pytest captures stderr: not a terminal), undone afterwards."""
+    from huggingface_hub.utils import enable_progress_bars
+    from transformers.utils import logging
+
+    from SPA_agent.progress import quiet_library_progress
+
+    quiet_library_progress()
+    yield
+    enable_progress_bars()
+    logging.enable_progress_bar()
+
+
+def test_a_redirected_critic_load_says_in_one_line_that_its_value_head_is_new(quiet_libraries, capfd, tiny_dir):
+    import torch
+    from huggingface_hub.utils import are_progress_bars_disabled
+    from transformers.utils import logging
+
+    from SPA_agent.trainer.local_models import load_critic
+
+    assert are_progress_bars_disabled() and not logging.is_progress_bar_enabled()
+    load_critic(str(tiny_dir), torch.device("cpu"), gradient_checkpointing=False)
+    out, err = capfd.readouterr()
+    assert out == ("critic: new value head (score.bias, score.weight) initialised, as intended for a critic started "
+                   "from a language model\n")
+    assert err == ""  # no "MISSING" load report, no carriage-return "Loading weights" bar
