@@ -179,7 +179,8 @@ class PPOTrainer:
         if self.cfg.trainer.resume_mode != "auto":
             return 0
         step = checkpoint.latest_step(self.output_dir)
-        if step is None:
+        if step is None:  # stopped before its first checkpoint: the run starts over and logs step 0 again
+            self.logger.truncate_after(-1)
             return 0
         self.backend.load(checkpoint.step_dir(self.output_dir, step))
         state = checkpoint.load_trainer_state(self.output_dir, step)
