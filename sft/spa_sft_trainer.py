@@ -50,7 +50,7 @@ from sft.spa_sft_dataset import SpaSftDataset
 from sft.tracking import MetricsLogger
 from SPA_agent import atomic_io, run_identity
 from SPA_agent.compile_cache import use_persistent_compile_cache
-from SPA_agent.datagen_card import check_dataset_complete
+from SPA_agent.datagen_card import check_dataset_complete, check_dataset_config
 from SPA_agent.dir_lock import DirLock, check_unlocked, check_writable
 from SPA_agent.progress import progress_bar, quiet_library_progress
 from SPA_agent.tiny import resolve_model_path
@@ -60,8 +60,8 @@ FLEX_PAD_MULTIPLE = 512
 TRUNCATION_FILE = "truncation.json"
 #: config keys that do not change the trained weights (data and model enter the run identity by checksum;
 #: model.use_liger only swaps kernels for the same loss, so a run may resume with it switched)
-IDENTITY_IGNORED = ("data.train_files", "data.val_files", "data.require_data_card", "model.partial_pretrain",
-                    "model.use_liger",
+IDENTITY_IGNORED = ("data.train_files", "data.val_files", "data.require_data_card", "data.config_name",
+                    "model.partial_pretrain", "model.use_liger",
                     "trainer.default_local_dir", "trainer.project_name", "trainer.experiment_name", "trainer.logger",
                     "trainer.resume", "trainer.save_freq", "trainer.max_ckpt_to_keep", "trainer.preflight_nproc",
                     "trainer.wandb_mode")
@@ -168,6 +168,8 @@ class SftTrainer:
         if data.require_data_card:
             for file in files:
                 check_dataset_complete(file)
+                if data.config_name is not None:
+                    check_dataset_config(file, data.config_name)
         return run_identity.check_run_dir(self.out_dir, self.identity, self.cfg.trainer.resume == "auto",
                                           OWNED_OUTPUTS, FRESH_HINT)
 
