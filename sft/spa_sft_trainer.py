@@ -36,6 +36,7 @@ from sft.fsdp_model import (
     shard,
     trainable_state_dict,
 )
+from sft.launcher_death import die_with_launcher
 from sft.liger import apply_liger, check_liger, fused_token_loss_sum
 from sft.loss_targets import LossTarget, prepare_tokenizer
 from sft.packing import (
@@ -442,6 +443,7 @@ class SftTrainer:
 @hydra.main(config_path="config", config_name="sft_trainer", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     """Entry point: reads torchrun's RANK/WORLD_SIZE/LOCAL_RANK; user errors exit with status 2."""
+    die_with_launcher()
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     init_method = "env://" if "MASTER_ADDR" in os.environ else None
