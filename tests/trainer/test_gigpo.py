@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from turn_spans import turn_spans
 
 from SPA_agent.trainer import algos
 from SPA_agent.trainer.gigpo import discounted_returns, gigpo_advantages, step_advantages
@@ -100,36 +101,18 @@ def expected_turn_advantages(scores, turn_states, turn_rewards, group_ids, gamma
     return [[episode[i] + weight * step[(i, t)] for t in range(len(states))] for i, states in enumerate(turn_states)]
 
 
-def turn_spans(mask: torch.Tensor) -> list[torch.Tensor]:
-    """The positions of each contiguous run of 1s in a (T,) mask: one run per assistant turn."""
-    positions = mask.nonzero().flatten()
-    breaks = (positions[1:] != positions[:-1] + 1).nonzero().flatten() + 1
-    return list(torch.tensor_split(positions, breaks.tolist()))
-
-
-def test_gigpo_ppo_trains_each_turn_with_its_step_level_advantage(ppo_config, monkeypatch):
+def test_gigpo_ppo_trains_each_turn_with_its_step_level_advantage(ppo_config, advantage_batches):
     """Two steps without a critic; each trained turn's tokens carry GiGPO's advantage, recomputed here from the
     rollout's turn states and rewards. GRPO would give every token of a trajectory the same value: here turns of
     one trajectory differ, which only the step-level part produces."""
-    from SPA_agent.trainer.ppo_trainer import PPOTrainer
-
-    batches = []
-    real_compute_advantage = PPOTrainer.compute_advantage
-
-    def compute_advantage(self, batch):
-        metrics = real_compute_advantage(self, batch)
-        batches.append(batch)
-        return metrics
-
-    monkeypatch.setattr(PPOTrainer, "compute_advantage", compute_advantage)
     cfg = ppo_config("_2_sokoban", "algorithm.adv_estimator=gigpo", "trainer.test_freq=0")
     output = run(cfg)
     records = read_metrics(output / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2] and all("critic/vf_loss" not in r for r in records)
     assert not (output / "global_step_2" / "critic").exists()
-    assert len(batches) == 2
+    assert len(advantage_batches) == 2
     varies_within_a_trajectory = False
-    for batch in batches:
+    for batch in advantage_batches:
         t, nt = batch.batch, batch.non_tensor_batch
         scores = t["token_level_rewards"].sum(-1).tolist()
         expected = expected_turn_advantages(scores, nt["turn_states"], nt["turn_rewards"], list(nt["group_ids"]),
