@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from SPA_agent.generators import SamplingParams
-from SPA_agent.generators.hf import HFGenerator
+from SPA_agent.generators.hf import HFGenerator, end_of_turn_ids
 from SPA_agent.generators.static_decode import DECODE_KWARG, decode_attention, filter_logits, left_aligned
 
 REPEATS = [1, 12, 3, 40]
@@ -36,11 +36,15 @@ def test_greedy_static_decoder_equals_generate(
     assert [g.text for g in static] == [g.text for g in plain]
 
 
-def test_stops_per_sequence_and_respects_length(varied_model, tiny_tokenizer, prompts_of_lengths):
+def test_stops_per_sequence_and_respects_length(varied_model, tiny_tokenizer, prompts_of_lengths, greedy_reference):
+    """Each row stops where the plainest greedy loop meets an end of turn, or runs to max_new_tokens."""
+    prompts = prompts_of_lengths(REPEATS)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=20)
-    generations = hf(varied_model, tiny_tokenizer, greedy, "static").generate(prompts_of_lengths(REPEATS))
-    assert len(generations[0].token_ids) == 9 and generations[0].finish_reason == "stop"  # <|im_end|>
-    assert all(len(g.token_ids) == 20 and g.finish_reason == "length" for g in generations[1:])
+    stop_ids = set(end_of_turn_ids(varied_model, tiny_tokenizer))
+    expected = [greedy_reference(varied_model, p.prompt_ids, 20, stop_ids) for p in prompts]
+    assert {reason for _, reason in expected} == {"stop", "length"}  # both ends occur in this batch
+    generations = hf(varied_model, tiny_tokenizer, greedy, "static").generate(prompts)
+    assert [(g.token_ids, g.finish_reason) for g in generations] == expected
 
 
 def test_all_sequences_stopped_ends_the_loop(varied_model, tiny_tokenizer, prompts_of_lengths):
