@@ -149,6 +149,30 @@ def test_flash_decode_equals_masked_reference_on_gpu():
     torch.testing.assert_close(output.float(), _reference_decode(query, key, value, kv_lengths), atol=2e-2, rtol=0)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and flash decoding need a CUDA GPU")
+def test_cuda_graph_flash_decoder_equals_generate_on_gpu(varied_model, tiny_tokenizer, prompts_of_lengths,
+                                                        monkeypatch):
+    """The static decoder as it runs on a GPU (every decode step a replay of a captured CUDA graph, attention by
+    flash attention's variable-length kernel) gives generate's greedy tokens and finish reasons. float16: half
+    precision, as flash attention needs, with more mantissa than bfloat16 against near-ties."""
+    from SPA_agent.generators import static_decode
+
+    if not static_decode._flash_capable(torch.device("cuda")):
+        pytest.skip("flash attention needs an Ampere or newer GPU")
+    flash_calls, replayed = [], []
+    real_flash, real_step = static_decode.flash_decode, static_decode._DecodeState.step
+    monkeypatch.setattr(static_decode, "flash_decode", lambda *a, **k: flash_calls.append(1) or real_flash(*a, **k))
+    monkeypatch.setattr(static_decode._DecodeState, "step",
+                        lambda self: replayed.append(self.graph is not None) or real_step(self))
+    model = copy.deepcopy(varied_model).to("cuda", torch.float16)
+    prompts = prompts_of_lengths([1, 2, 3, 5, 8, 12, 20, 40])
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=24)
+    static = hf(model, tiny_tokenizer, greedy, "static").generate(prompts)
+    assert flash_calls and replayed and all(replayed)  # flash attention captured in the graph; every step replayed
+    plain = hf(model, tiny_tokenizer, greedy, "generate").generate(prompts)
+    assert [(g.token_ids, g.finish_reason) for g in static] == [(g.token_ids, g.finish_reason) for g in plain]
+
+
 def test_left_aligned_moves_prompts_to_the_start_of_their_rows():
     input_ids = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 4], [0, 0, 0, 3]])
     prompts, lengths = left_aligned(input_ids, (input_ids != 0).long(), pad_id=0)
