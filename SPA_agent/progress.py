@@ -10,6 +10,9 @@ from typing import TextIO
 
 from tqdm.auto import tqdm
 
+#: seconds between the plain lines of a long loop in a redirected log (the log shows a line at least every 30 s)
+HEARTBEAT_S = 20.0
+
 
 def is_terminal(stream: TextIO | None = None) -> bool:
     """Whether `stream` (stderr by default, where the bars go) is a terminal."""
@@ -22,6 +25,21 @@ def plain_line(text: str, stream: TextIO | None = None) -> None:
     stream = stream if stream is not None else sys.stderr
     if not is_terminal(stream):
         print(text, file=stream, flush=True)
+
+
+class Heartbeat:
+    """For loops without a natural step line (a long decode): `beat(describe)` prints `describe()` as a plain
+    line when `interval_s` has passed since the start or the last line, and only when stderr is redirected."""
+
+    def __init__(self, interval_s: float | None = None):
+        self.interval_s = HEARTBEAT_S if interval_s is None else interval_s
+        self.start = self.last = time.perf_counter()
+
+    def beat(self, describe) -> None:
+        now = time.perf_counter()
+        if now - self.last >= self.interval_s:
+            self.last = now
+            plain_line(f"{describe()} ({now - self.start:.0f} s)")
 
 
 def quiet_library_progress() -> None:

@@ -153,3 +153,20 @@ def test_bad_settings_are_clear_errors(tiny_model, tiny_tokenizer):
         hf(tiny_model, tiny_tokenizer, decoder="fast")
     with pytest.raises(ValueError, match="unknown generator"):
         build_generator({"name": "nope"}, "tiny", tiny_tokenizer)
+
+
+def test_a_redirected_decode_prints_a_heartbeat_and_decodes_the_same(tiny_model, tiny_tokenizer, prompts_of_lengths,
+                                                                      monkeypatch, capsys):
+    """With progress on and stderr redirected, transformers' generate prints a plain line every HEARTBEAT_S
+    seconds (here 0: every step); the tokens are those of a silent run."""
+    from SPA_agent import progress
+
+    prompts = prompts_of_lengths([1, 2])
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=3, seed=5)
+    silent = HFGenerator(tiny_model, tiny_tokenizer, sampling, progress=False).generate(prompts)
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(progress, "HEARTBEAT_S", 0.0)
+    shown = HFGenerator(tiny_model, tiny_tokenizer, sampling, progress=True).generate(prompts)
+    assert [g.token_ids for g in shown] == [g.token_ids for g in silent]
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(" (")[0] for line in lines] == [f"generate: {n} new tokens of 2 sequences" for n in (1, 2, 3)]
