@@ -25,7 +25,14 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from SPA_agent import atomic_io
 from SPA_agent.config import CONFIG_DIR
 from SPA_agent.dir_lock import DirLock, check_unlocked, check_writable
-from SPA_agent.entry import apply_system_env, check_number, exit_on_user_error, load_tokenizer, prepare_config
+from SPA_agent.entry import (
+    apply_system_env,
+    check_number,
+    exit_on_interrupt,
+    exit_on_user_error,
+    load_tokenizer,
+    prepare_config,
+)
 from SPA_agent.generators.base import FINISH_ERROR, Generation, Prompt
 from SPA_agent.passk import pass_any, passk_summary
 from SPA_agent.progress import quiet_library_progress
@@ -237,6 +244,8 @@ def main(cfg: DictConfig) -> None:
     quiet_library_progress()
     with exit_on_user_error():
         cfg = prepare_eval_config(cfg)
+    with exit_on_user_error(), exit_on_interrupt("nothing was written (an evaluation is saved once complete); "
+                                                 "run the same command again"):
         apply_system_env(cfg)
         result = evaluate(cfg)
     print(format_result(result))

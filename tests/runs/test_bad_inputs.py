@@ -168,3 +168,12 @@ def test_a_redirected_critic_load_says_in_one_line_that_its_value_head_is_new(qu
     assert out == ("critic: new value head (score.bias, score.weight) initialised, as intended for a critic started "
                    "from a language model\n")
     assert err == ""  # no "MISSING" load report, no carriage-return "Loading weights" bar
+
+
+def test_ctrl_c_in_evaluation_is_one_line_and_status_130(monkeypatch, capsys):
+    from SPA_agent import evaluate
+
+    monkeypatch.setattr(evaluate, "evaluate", interrupt)
+    code = run_entry(monkeypatch, evaluate, ["--config-name", "_2_sokoban", "model=tiny"])
+    assert code == EXIT_INTERRUPTED and capsys.readouterr().err == (
+        "interrupted: nothing was written (an evaluation is saved once complete); run the same command again\n")
