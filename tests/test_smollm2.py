@@ -12,18 +12,12 @@ import sys
 import numpy as np
 import pytest
 import torch
+from conftest import SMOLLM2_TEMPLATE
 
 from SPA_agent import smollm2
 from SPA_agent.chat_tokens import CONTEXT, SAMPLED, SYSTEM, AssistantTurn, ChatTokenizer
 from SPA_agent.tiny import MARKER_FILE, tiny_model_dir
 
-#: SmolLM2-135M-Instruct's chat template, as its GGUF file holds it: a default system message when none is given
-SMOLLM2_TEMPLATE = (
-    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n' }}"
-    "{% endif %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=512, rope_theta=100000.0, rms_norm_eps=1e-5)
 
