@@ -22,11 +22,11 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from SPA_agent import atomic_io
-from SPA_agent.dir_lock import DirLock, check_unlocked, check_writable
 from SPA_agent.entry import apply_system_env, exit_on_user_error, load_tokenizer, prepare_config
 from SPA_agent.generators.base import FINISH_ERROR, Generation, Prompt
 from SPA_agent.passk import pass_any, passk_summary
+from SPA_agent.runs import atomic_io
+from SPA_agent.runs.dir_lock import DirLock, check_unlocked, check_writable
 from SPA_agent.worldmodel import worldmodel_accuracy
 
 EXIT_INCOMPLETE = 1

@@ -26,14 +26,13 @@ import numpy as np
 import pyarrow as pa
 from omegaconf import DictConfig, OmegaConf
 
-from sft.filter_sft_by_tag import has_worldmodel_format
-from SPA_agent import atomic_io, run_identity
 from SPA_agent.data_variants import STATE_TARGETS, state_targets
 from SPA_agent.datagen_card import CARD_FILE, PARTIAL_DIR, BatchStats, render_data_card, trajectory_stats
-from SPA_agent.dir_lock import DirLock, check_unlocked, check_writable
 from SPA_agent.entry import apply_system_env, exit_on_user_error, load_tokenizer, prepare_config
-from SPA_agent.progress import progress_bar
-from SPA_agent.worldmodel import substitute_states
+from SPA_agent.runs import atomic_io, run_identity
+from SPA_agent.runs.dir_lock import DirLock, check_unlocked, check_writable
+from SPA_agent.runs.progress import progress_bar
+from SPA_agent.worldmodel import has_worldmodel_format, substitute_states
 
 DATA_FILES = ("wm_train.parquet", "wm_val.parquet")
 # Unfinished runs keep batch shards in PARTIAL_DIR; the new dataset is staged in PARTIAL_DIR/final.

@@ -53,13 +53,13 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from SPA_agent import atomic_io
 from SPA_agent.data_variants import without_worldmodel_row
 from SPA_agent.datagen_card import CARD_FILE
 from SPA_agent.learning_curves import SUCCESS_KEY, CurvePoint, intervals_overlap, load_curve
-from SPA_agent.metrics_file import read_records
 from SPA_agent.plots import plot_arms
-from SPA_agent.run_identity import git_commit
+from SPA_agent.runs import atomic_io
+from SPA_agent.runs.metrics_file import read_records
+from SPA_agent.runs.run_identity import git_commit
 
 ARMS = {
     "spa": ("data", "paper", "(a) SPA: world-model SFT, loss_target=paper"),
@@ -189,7 +189,7 @@ class Experiment:
                    lambda: (out / CARD_FILE).is_file())
 
     def sft_job(self, arm: str) -> Job:
-        from sft.checkpointing import checkpoints
+        from SPA_agent.runs.checkpoint_dirs import checkpoints
 
         data, loss_target, _ = ARMS[arm]
         data_dir, out = self.out / data, self.sft_dir(arm)

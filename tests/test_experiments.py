@@ -133,8 +133,8 @@ def test_sft_variant_trains_with_the_experiments_overrides(tmp_path):
 @pytest.mark.slow
 def test_rl_variant_runs_bilevel_gae(tmp_path):
     """RL variant: one PPO step with experiment=spa_bilevel_gae on the tiny model."""
+    from SPA_agent.runs.metrics_logger import read_metrics
     from SPA_agent.trainer.main_ppo import run
-    from SPA_agent.trainer.tracking import read_metrics
 
     cfg = compose("_3_frozen_lake", ["model=tiny", "experiment=spa_bilevel_gae", *TINY_PPO,
                                      f"trainer.default_local_dir={tmp_path}"])
