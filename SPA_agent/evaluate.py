@@ -23,8 +23,8 @@ import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from SPA_agent.entry import apply_system_env, exit_on_user_error, load_tokenizer, prepare_config
+from SPA_agent.evaluation.passk import pass_any, passk_summary
 from SPA_agent.generators.base import FINISH_ERROR, Generation, Prompt
-from SPA_agent.passk import pass_any, passk_summary
 from SPA_agent.runs import atomic_io
 from SPA_agent.runs.dir_lock import DirLock, check_unlocked, check_writable
 from SPA_agent.worldmodel import worldmodel_accuracy
@@ -188,9 +188,9 @@ def run_repeats(cfg: DictConfig, proxy, generator: ErrorTolerantGenerator) -> tu
 def evaluate(cfg: DictConfig, generator=None) -> dict:
     """Run the evaluation for a prepared config (`prepare_eval_config`) and write its outputs. `generator`
     (optional) is an already-built generator, e.g. the PPO actor's; otherwise `cfg.generator` is built."""
-    from SPA_agent.agent_proxy import LLMAgentProxy
     from SPA_agent.generators import build_generator
     from SPA_agent.plots import plot_passk
+    from SPA_agent.rollout.agent_proxy import LLMAgentProxy
 
     ev, out_dir = cfg.evaluation, Path(cfg.evaluation.output_dir)
     check_writable(out_dir)

@@ -20,7 +20,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from SPA_agent.learning_curves import Curve
+from SPA_agent.evaluation.learning_curves import Curve
 from SPA_agent.runs import atomic_io
 from SPA_agent.runs.metrics_file import read_records
 

@@ -10,7 +10,7 @@ Arms: `spa` (a: world-model SFT, loss_target=paper), `nowm` (b: the same traject
 complete and continuing what was interrupted (SFT and PPO from their last checkpoint, data per batch):
 
   data    self-play data with the random generator in add_worldmodel mode (DIR/data), and the same rows without
-          world model (DIR/data_nowm, SPA_agent.data_variants.without_worldmodel_row; its data card comes last)
+          world model (DIR/data_nowm, SPA_agent.selfplay.data_variants.without_worldmodel_row; its data card comes last)
   sft     one SFT run per arm, in parallel processes -> DIR/sft/<arm>, then DIR/sft/<arm>.json (the checkpoint)
   wm      world-model accuracy (SPA_agent.evaluate, add_worldmodel prompts) of each SFT checkpoint and of each
           PPO run's last saved actor, finished or not -> DIR/eval/<arm>/{sft,ppo}/eval.json
@@ -53,13 +53,13 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from SPA_agent.data_variants import without_worldmodel_row
-from SPA_agent.datagen_card import CARD_FILE
-from SPA_agent.learning_curves import SUCCESS_KEY, CurvePoint, intervals_overlap, load_curve
+from SPA_agent.evaluation.learning_curves import SUCCESS_KEY, CurvePoint, intervals_overlap, load_curve
 from SPA_agent.plots import plot_arms
 from SPA_agent.runs import atomic_io
 from SPA_agent.runs.metrics_file import read_records
 from SPA_agent.runs.run_identity import git_commit
+from SPA_agent.selfplay.data_card import CARD_FILE
+from SPA_agent.selfplay.data_variants import without_worldmodel_row
 
 ARMS = {
     "spa": ("data", "paper", "(a) SPA: world-model SFT, loss_target=paper"),
@@ -343,7 +343,7 @@ def write_without_worldmodel(source: Path, target: Path, settings: Settings) -> 
         atomic_io.write_parquet(target / f"{split}.parquet", pa.Table.from_pylist(rows, schema=table.schema))
         counts[split] = len(rows)
     atomic_io.write_json(target / CARD_FILE, {
-        "stage": "world-model rows without world model (SPA_agent.data_variants.without_worldmodel_row)",
+        "stage": "world-model rows without world model (SPA_agent.selfplay.data_variants.without_worldmodel_row)",
         "source": source.name, "rows": counts,
         "source_card": json.loads((source / CARD_FILE).read_text(encoding="utf-8"))})
     print(f"data without world model written to {target} ({counts})", flush=True)

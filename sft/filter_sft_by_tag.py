@@ -24,9 +24,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from SPA_agent.datagen_card import CARD_FILE
 from SPA_agent.runs import atomic_io
 from SPA_agent.runs.dir_lock import DirLock
+from SPA_agent.selfplay.data_card import CARD_FILE
 from SPA_agent.worldmodel import has_worldmodel_format
 
 SPLITS = ("wm_train", "wm_val")

@@ -46,7 +46,6 @@ from sft.packing import (
     token_loss_sum,
 )
 from sft.spa_sft_dataset import SpaSftDataset
-from SPA_agent.datagen_card import check_dataset_complete
 from SPA_agent.runs import atomic_io, checkpoint_dirs, run_identity
 from SPA_agent.runs.compile_cache import use_persistent_compile_cache
 from SPA_agent.runs.dir_lock import DirLock, check_unlocked, check_writable
@@ -54,6 +53,7 @@ from SPA_agent.runs.lora import add_lora
 from SPA_agent.runs.metrics_logger import MetricsLogger
 from SPA_agent.runs.progress import progress_bar
 from SPA_agent.runs.trainer_dir import TrainerDir
+from SPA_agent.selfplay.data_card import check_dataset_complete
 from SPA_agent.tiny import resolve_model_path
 
 FLEX_PAD_MULTIPLE = 512

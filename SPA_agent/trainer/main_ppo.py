@@ -89,7 +89,7 @@ def load_backend(cfg: DictConfig, tokenizer):
 def build_trainer(cfg: DictConfig, lock: DirLock):
     """Check config, model and output directory, then build tokenizer, backend, agent proxy, logger and trainer
     (resumed when the directory holds a run of the same identity). Nothing is written before the checks."""
-    from SPA_agent.agent_proxy import LLMAgentProxy
+    from SPA_agent.rollout.agent_proxy import LLMAgentProxy
     from SPA_agent.runs.metrics_logger import MetricsLogger
     from SPA_agent.trainer.config_checks import check_config
     from SPA_agent.trainer.diagnostics import Diagnostics
