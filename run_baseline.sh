@@ -4,7 +4,7 @@
 # state_estimation_rl (or RENDER_MODE=text_with_coordinates) is its "State Estimation RL" row.
 #
 #   bash run_baseline.sh <config> [experiment=<name>] [hydra overrides...]   config: _2_sokoban | _3_frozen_lake | _10_sudoku
-# Environment: MODEL (1.5B; 0.5B, 3B, llama1B, tiny, small), RENDER_MODE, NGPUS, BASE_DIR, RESUME (see train_ppo_sfted.sh),
+# Environment: MODEL (1.5B; 0.5B, 3B, llama1B, tiny, small, smollm2-135m), RENDER_MODE, NGPUS, BASE_DIR, RESUME (see train_ppo_sfted.sh),
 #   EVAL_DIR (./evals/<experiment>). Ends like run_spa.sh: the model evaluated before and after PPO, a summary
 #   beside the paper's rows, and where everything was written.
 set -euo pipefail

@@ -6,7 +6,7 @@
 #   config         _2_sokoban | _3_frozen_lake | _10_sudoku
 #   ckpt           SFT checkpoint to start PPO from: `last` (highest global_step_N) or a step number N
 #   generate_data  True: run stages 1 and 2 first; False: use an existing SFT checkpoint
-# Environment: MODEL (1.5B; 0.5B, 3B, llama1B, tiny, small), RENDER_MODE (text_with_coordinates | text),
+# Environment: MODEL (1.5B; 0.5B, 3B, llama1B, tiny, small, smollm2-135m), RENDER_MODE (text_with_coordinates | text),
 #   BT_NUM (rollout batches of data, 5), GENERATOR (data generator: vllm when installed, else hf;
 #   random for MODEL=tiny), NGPUS (detected), OUTPUT_DIR, CHECKPOINT_DIR, BASE_DIR (PPO runs, ./checkpoints),
 #   SFT_OVERRIDES (extra Hydra overrides for the SFT stage, space separated), EVAL_DIR (./evals/<experiment>).
@@ -17,7 +17,8 @@
 # RESUME (0: every stage starts fresh in its directory, the default; 1: continue runs with the same settings).
 # MODEL=tiny uses CPU-sized settings: 2 data batches of 4 × 2 envs with the random generator, 3 SFT epochs
 # at lr 1e-3, 2 PPO steps, and an evaluation on 4 puzzles × 2 samples. MODEL=small (from scratch) plays the
-# random generator for its data and uses the SFT settings of docs/small_model.md.
+# random generator for its data and uses the SFT settings of docs/small_model.md; so does MODEL=smollm2-135m
+# (SmolLM2-135M-Instruct from a package, docs/smollm2.md), with 2 SFT epochs at the paper's lr.
 set -euo pipefail
 cd "$(dirname "$0")"
 . scripts/common.sh
@@ -46,6 +47,10 @@ if [ "$MODEL" = tiny ]; then
 elif [ "$MODEL" = small ]; then
     BT_NUM="${BT_NUM:-5}"; GENERATOR="${GENERATOR:-${EXP_DATA_GENERATOR:-random}}"
     SFT_DEFAULTS="optim.lr=5e-4 trainer.total_epochs=2"  # docs/small_model.md
+elif [ "$MODEL" = smollm2-135m ]; then
+    # Its own self-play writes no state blocks (docs/smollm2.md): the random-action data of the paper's Table 5.
+    BT_NUM="${BT_NUM:-5}"; GENERATOR="${GENERATOR:-${EXP_DATA_GENERATOR:-random}}"
+    SFT_DEFAULTS="trainer.total_epochs=2"
 else
     BT_NUM="${BT_NUM:-5}"; GENERATOR="${GENERATOR:-${EXP_DATA_GENERATOR:-$(default_generator)}}"
     SFT_DEFAULTS=""

@@ -2,7 +2,7 @@
 # PPO (stage 3) from a checkpoint: an SFT checkpoint for SPA, the instruct model for the baseline.
 #
 #   bash train_ppo_sfted.sh <config> <checkpoint path | hub id | tiny> <experiment name> [hydra overrides...]
-# Environment: MODEL (1.5B; 0.5B, 3B, llama1B, tiny: selects CPU-sized settings, small), RENDER_MODE (default: the
+# Environment: MODEL (1.5B; 0.5B, 3B, llama1B, tiny: selects CPU-sized settings, small, smollm2-135m), RENDER_MODE (default: the
 #   config's, text_with_coordinates unless an experiment=<name> sets it), NGPUS (detected), BASE_DIR (runs go
 #   to $BASE_DIR/<config>/<experiment>, default ./checkpoints), TOTAL_STEPS (1000; 2 for tiny), ROLLOUT_TP (vLLM tensor parallel size with
 #   more than one GPU; default: all of them), RESUME (0: start fresh in the run directory, the default; 1: continue
@@ -24,7 +24,7 @@ PRESET="$(model_preset "$MODEL")"
 STEPS_DEFAULT=1000; [ "$MODEL" = tiny ] && STEPS_DEFAULT=2
 TOTAL_STEPS="${TOTAL_STEPS:-$STEPS_DEFAULT}"
 RESUME_MODE=disable; is_resume && RESUME_MODE=auto
-case "$CKPT" in */*|tiny) ;; *) [ -d "$CKPT" ] || die "checkpoint '$CKPT' is not a directory" ;; esac
+case "$CKPT" in */*|tiny|small|smollm2-135m) ;; *) [ -d "$CKPT" ] || die "checkpoint '$CKPT' is not a directory" ;; esac
 if [ -e "$CKPT" ] && [ ! -f "$CKPT/config.json" ]; then die "'$CKPT' is not a Hugging Face model directory (no config.json)"; fi
 
 # One process for CPU or one GPU (local backend); verl's Ray/FSDP workers with tensor-parallel vLLM beyond.

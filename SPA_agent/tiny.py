@@ -188,9 +188,14 @@ def tiny_model_dir(cache_dir: str | Path | None = None) -> Path:
 
 
 def resolve_model_path(model_path: str, cache_dir: str | Path | None = None) -> str:
-    """Map `tiny` / `small` to the embedded model's directory; any other Hub id or local path passes through."""
+    """Map `tiny` / `small` to the embedded model's directory and `smollm2-135m` to the converted SmolLM2
+    (SPA_agent/smollm2.py); any other Hub id or local path passes through."""
     if str(model_path) in EMBEDDED_MODELS:
         return str(embedded_model_dir(str(model_path), cache_dir))
+    from SPA_agent import smollm2
+
+    if str(model_path) == smollm2.NAME:
+        return str(smollm2.smollm2_model_dir(cache_dir))
     return str(model_path)
 
 

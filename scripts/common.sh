@@ -22,7 +22,7 @@ is_resume() {
     esac
 }
 
-# model_preset SIZE: Hydra model preset for MODEL=0.5B|1.5B|3B|llama1B|tiny|small.
+# model_preset SIZE: Hydra model preset for MODEL=0.5B|1.5B|3B|llama1B|tiny|small|smollm2-135m.
 model_preset() {
     case "$1" in
         0.5B) echo qwen2.5-0.5b ;;
@@ -31,12 +31,13 @@ model_preset() {
         llama1B) echo llama3.2-1b ;;
         tiny) echo tiny ;;
         small) echo small ;;
-        *) die "unknown MODEL '$1'; choose one of 0.5B, 1.5B, 3B, llama1B, tiny, small" ;;
+        smollm2-135m) echo smollm2-135m ;;
+        *) die "unknown MODEL '$1'; choose one of 0.5B, 1.5B, 3B, llama1B, tiny, small, smollm2-135m" ;;
     esac
 }
 
 # model_family SIZE: short family name used in checkpoint directory names.
-model_family() { case "$1" in llama*) echo llama ;; tiny|small) echo "$1" ;; *) echo qwen ;; esac; }
+model_family() { case "$1" in llama*) echo llama ;; tiny|small) echo "$1" ;; smollm2*) echo smollm2 ;; *) echo qwen ;; esac; }
 
 # gpu_count: visible CUDA devices (CUDA_VISIBLE_DEVICES if set, else nvidia-smi), 0 without CUDA.
 gpu_count() {
@@ -95,7 +96,7 @@ evaluate_before_after() {
             model_path="$model_path" render_mode="$RENDER_MODE" generator="$generator" \
             evaluation.output_dir="$eval_dir/$which" "$@"
     done
-    local paper_args=(); case "$MODEL" in tiny|small) ;; *) paper_args=(--paper-model "$MODEL") ;; esac  # not in the paper
+    local paper_args=(); case "$MODEL" in tiny|small|smollm2-135m) ;; *) paper_args=(--paper-model "$MODEL") ;; esac  # not in the paper
     python -m SPA_agent.report "$eval_dir/before_ppo" "$eval_dir/after_ppo" "$run_dir" "${paper_args[@]}" \
         --out "$eval_dir/summary.md"
 }

@@ -7,7 +7,7 @@
 set -euo pipefail
 
 usage() {
-    echo "usage: $0 <env_type> <nproc_per_node> <save_path> <data_path> <model_size: 0.5B|1.5B|3B|llama1B|tiny|small> [hydra overrides...]" >&2
+    echo "usage: $0 <env_type> <nproc_per_node> <save_path> <data_path> <model_size: 0.5B|1.5B|3B|llama1B|tiny|small|smollm2-135m> [hydra overrides...]" >&2
     echo "  <data_path> must hold wm_train.parquet and wm_val.parquet (stage 1 output)" >&2
     exit 2
 }
@@ -28,7 +28,8 @@ case "$model_size" in
     0.5B|1.5B|3B) model="Qwen/Qwen2.5-${model_size}-Instruct"; family="qwen-2.5" ;;
     llama1B) model="meta-llama/Llama-3.2-1B-Instruct"; family="llama-3.2" ;;
     tiny|small) model=$model_size; family=$model_size; max_length=4096 ;;  # the embedded byte-level tokenizer
-    *) echo "error: model size '$model_size' is not one of 0.5B, 1.5B, 3B, llama1B, tiny, small" >&2; exit 2 ;;
+    smollm2-135m) model=$model_size; family=smollm2 ;;  # its Sokoban self-play rows measure up to 1,768 tokens
+    *) echo "error: model size '$model_size' is not one of 0.5B, 1.5B, 3B, llama1B, tiny, small, smollm2-135m" >&2; exit 2 ;;
 esac
 if ! [[ "$nproc_per_node" =~ ^[1-9][0-9]*$ ]]; then
     echo "error: nproc_per_node must be a positive integer, got '$nproc_per_node'" >&2

