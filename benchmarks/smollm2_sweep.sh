@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Issue 26, a PPO settings sweep for SmolLM2-135M-Instruct on SimpleSokoban on one GPU, after
+# benchmarks/smollm2_sokoban.sh showed no learning at lr 1e-5 in 30 steps: the same random-action data and SFT,
+# then one PPO run per line of SETTINGS ("<name> <hydra overrides...>"), side by side, all with the SFT's own
+# prompts (ctx_manager.mode=add_worldmodel).
+#
+#   OUT=smollm2_sweep STEPS=60 bash benchmarks/smollm2_sweep.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-smollm2_sweep}"; STEPS="${STEPS:-60}"; TEST_FREQ="${TEST_FREQ:-10}"; VAL_SAMPLES="${VAL_SAMPLES:-4}"
+SETTINGS="${SETTINGS:-gae_lr3e-5 actor_rollout_ref.actor.optim.lr=3e-5 critic.optim.lr=1e-4
+gae_lr1e-4_kl actor_rollout_ref.actor.optim.lr=1e-4 critic.optim.lr=1e-4 actor_rollout_ref.actor.use_kl_loss=True actor_rollout_ref.actor.kl_loss_coef=0.05 actor_rollout_ref.actor.kl_loss_type=low_var_kl
+grpo_lr3e-5 algorithm.adv_estimator=grpo actor_rollout_ref.actor.optim.lr=3e-5}"
+export MODEL=smollm2-135m
+mkdir -p "$OUT/logs"
+PPO=(ctx_manager.mode=add_worldmodel trainer.total_training_steps="$STEPS" trainer.test_freq="$TEST_FREQ"
+     trainer.save_freq="$TEST_FREQ" es_manager.val.group_size="$VAL_SAMPLES")
+
+python -m SPA_agent.smollm2 > "$OUT/logs/convert.log" 2>&1
+# Stages 1 and 2 as run_spa.sh runs them for MODEL=smollm2-135m.
+python -m SPA_agent.generate_sft_data --config-name _2_sokoban model=smollm2-135m generator=random \
+    data_gen.output_dir="$OUT/data" > "$OUT/logs/data.log" 2>&1
+bash sft/finetune_ft.sh _2_sokoban 1 "$OUT/sft" "$OUT/data" smollm2-135m trainer.total_epochs=2 > "$OUT/logs/sft.log" 2>&1
+SFT="$(ls -d "$OUT"/sft/global_step_* | sort -V | tail -n 1)"
+while read -r name overrides; do
+    # shellcheck disable=SC2086
+    BASE_DIR="$OUT/ppo" bash train_ppo_sfted.sh _2_sokoban "$SFT" "$name" "${PPO[@]}" $overrides \
+        > "$OUT/logs/$name.log" 2>&1 &
+done <<< "$SETTINGS"
+wait
