@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from SPA_agent import smollm2
+from SPA_agent.model_cache import MARKER_FILE
 from SPA_agent.rollout.chat_tokens import CONTEXT, SAMPLED, SYSTEM, AssistantTurn, ChatTokenizer
-from SPA_agent.tiny import MARKER_FILE, tiny_model_dir
+from SPA_agent.tiny import tiny_model_dir
 
 #: SmolLM2-135M-Instruct's chat template, as its GGUF file holds it: a default system message when none is given
 SMOLLM2_TEMPLATE = (
