@@ -14,6 +14,7 @@ cd "$(dirname "$0")"
 [ $# -ge 1 ] || die "usage: bash run_baseline.sh <config> [overrides...]"
 CONFIG_NAME="$1"; shift
 check_config "$CONFIG_NAME"
+check_script_variables
 load_experiment baseline "$CONFIG_NAME" "$@"
 # shellcheck disable=SC2086
 set -- "$@" $EXP_ARGS

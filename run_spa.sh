@@ -26,6 +26,7 @@ cd "$(dirname "$0")"
 [ $# -ge 1 ] || die "usage: bash run_spa.sh <config> [ckpt=last] [generate_data=False] [overrides...]"
 CONFIG_NAME="$1"; CKPT="${2:-last}"; GENERATE_DATA="${3:-False}"; shift $(( $# < 3 ? $# : 3 ))
 check_config "$CONFIG_NAME"
+check_script_variables
 case "${GENERATE_DATA,,}" in
     true) GENERATE_DATA=True ;;
     false) GENERATE_DATA=False ;;

@@ -14,6 +14,7 @@ cd "$(dirname "$0")"
 [ $# -ge 3 ] || die "usage: bash train_ppo_sfted.sh <config> <checkpoint> <experiment name> [overrides...]"
 CONFIG_NAME="$1"; CKPT="$2"; EXPERIMENT_NAME="$3"; shift 3
 check_config "$CONFIG_NAME"
+check_script_variables
 export PYTHONHASHSEED=10000
 MODEL="${MODEL:-1.5B}"
 # RENDER_MODE, when set, overrides the config (and an experiment=<name>); unset, the config decides.

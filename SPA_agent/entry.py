@@ -15,6 +15,7 @@ from SPA_agent.config import CONFIG_DIR
 from SPA_agent.generators.base import GenerationError, MissingExtraError
 
 EXIT_USAGE = 2  # user mistakes: bad config value, missing file, a directory that is not a model
+EXIT_INTERRUPTED = 130  # Ctrl-C, as the shell reports a process stopped by SIGINT (128 + 2)
 #: what an entry point reports as one line (and exit status 2) instead of a traceback
 USER_ERRORS = (ValueError, FileNotFoundError, MissingExtraError, GenerationError)
 
@@ -27,6 +28,37 @@ def exit_on_user_error() -> Iterator[None]:
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
+
+
+@contextmanager
+def exit_on_interrupt(resume_hint: str) -> Iterator[None]:
+    """Inside an entry point: Ctrl-C prints one line (what was kept and how to continue, `resume_hint`) and exits
+    with status 130 instead of a traceback; locks and partial files are left as the interrupted code left them."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        print(f"interrupted: {resume_hint}", file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
+
+
+def check_number(cfg: DictConfig, key: str, low: float, high: float | None = None, integer: bool = False,
+                 high_open: bool = False) -> None:
+    """Raise ValueError naming `key` unless its value is a number (an int when `integer`) in [low, high] (or
+    [low, high) with `high_open`); checked before any work so a typo never costs a run."""
+    value = OmegaConf.select(cfg, key)
+    kind = "an integer" if integer else "a number"
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+        raise ValueError(f"{key} must be {kind}, got {value!r}")
+    above = high is not None and (value >= high if high_open else value > high)
+    if value < low or above:
+        bounds = f">= {low}" if high is None else f"in [{low}, {high}{')' if high_open else ']'}"
+        raise ValueError(f"{key} must be {bounds}, got {value}")
+
+
+def check_rollout_settings(cfg: DictConfig) -> None:
+    """Settings every stage that plays the envs needs (data generation, evaluation, PPO)."""
+    check_number(cfg, "actor_rollout_ref.rollout.response_length", 1, integer=True)
+    check_number(cfg, "agent_proxy.max_turn", 1, integer=True)
 
 
 def current_config_name() -> str | None:
@@ -50,6 +82,7 @@ def prepare_config(cfg: DictConfig, block: str, config_name: str | None = None) 
     with open_dict(merged):
         merged.config_name = name
     OmegaConf.set_struct(merged, True)
+    check_rollout_settings(merged)
     return merged
 
 

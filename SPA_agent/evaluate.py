@@ -22,11 +22,20 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from SPA_agent.entry import apply_system_env, exit_on_user_error, load_tokenizer, prepare_config
+from SPA_agent.config import CONFIG_DIR
+from SPA_agent.entry import (
+    apply_system_env,
+    check_number,
+    exit_on_interrupt,
+    exit_on_user_error,
+    load_tokenizer,
+    prepare_config,
+)
 from SPA_agent.evaluation.passk import pass_any, passk_summary
 from SPA_agent.generators.base import FINISH_ERROR, Generation, Prompt
 from SPA_agent.runs import atomic_io
 from SPA_agent.runs.dir_lock import DirLock, check_unlocked, check_writable
+from SPA_agent.runs.progress import quiet_library_progress
 from SPA_agent.worldmodel import worldmodel_accuracy
 
 EXIT_INCOMPLETE = 1
@@ -49,12 +58,16 @@ def prepare_eval_config(cfg: DictConfig, config_name: str | None = None) -> Dict
     """Entry config + `evaluation` block; checks n and k and sizes the validation env groups."""
     cfg = prepare_config(cfg, "evaluation", config_name)
     ev = cfg.evaluation
+    check_number(cfg, "evaluation.n", 1, integer=True)
+    check_number(cfg, "evaluation.repeats", 1, integer=True)
+    if ev.k is None:
+        ev.k = default_ks(ev.n)
     ks = list(ev.k)
-    if ev.n < 1 or ev.repeats < 1:
-        raise ValueError(f"evaluation.n and evaluation.repeats must be >= 1, got n={ev.n}, repeats={ev.repeats}")
     if not ks or any(not 1 <= k <= ev.n for k in ks):
         raise ValueError(f"evaluation.k={ks} must lie in [1, evaluation.n={ev.n}]: raise n or drop the larger k")
     val = cfg.es_manager.val
+    if ev.num_puzzles is not None:
+        check_number(cfg, "evaluation.num_puzzles", 1, integer=True)
     num_puzzles = int(ev.num_puzzles or val.env_groups)
     tags = list(val.env_configs.tags)
     if num_puzzles != val.env_groups:
@@ -66,6 +79,11 @@ def prepare_eval_config(cfg: DictConfig, config_name: str | None = None) -> Dict
     with open_dict(cfg):
         cfg.model_name = model_name(cfg)
     return cfg
+
+
+def default_ks(n: int) -> list[int]:
+    """The k of pass@k when evaluation.k is not set: the powers of two below n, and n (n=8: [1, 2, 4, 8])."""
+    return [2**i for i in range(n.bit_length()) if 2**i < n] + [n]
 
 
 class ErrorTolerantGenerator:
@@ -221,10 +239,13 @@ def format_result(result: Mapping) -> str:
     return "\n".join(lines)
 
 
-@hydra.main(config_path="../config", version_base="1.3")
+@hydra.main(config_path=str(CONFIG_DIR), version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    quiet_library_progress()
     with exit_on_user_error():
         cfg = prepare_eval_config(cfg)
+    with exit_on_user_error(), exit_on_interrupt("nothing was written (an evaluation is saved once complete); "
+                                                 "run the same command again"):
         apply_system_env(cfg)
         result = evaluate(cfg)
     print(format_result(result))

@@ -16,7 +16,6 @@ import json
 import math
 import os
 import shutil
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -26,10 +25,18 @@ import numpy as np
 import pyarrow as pa
 from omegaconf import DictConfig, OmegaConf
 
-from SPA_agent.entry import apply_system_env, exit_on_user_error, load_tokenizer, prepare_config
+from SPA_agent.config import CONFIG_DIR
+from SPA_agent.entry import (
+    apply_system_env,
+    check_number,
+    exit_on_interrupt,
+    exit_on_user_error,
+    load_tokenizer,
+    prepare_config,
+)
 from SPA_agent.runs import atomic_io, run_identity
 from SPA_agent.runs.dir_lock import DirLock, check_unlocked, check_writable
-from SPA_agent.runs.progress import progress_bar
+from SPA_agent.runs.progress import progress_bar, quiet_library_progress
 from SPA_agent.selfplay.data_card import (
     CARD_FILE,
     PARTIAL_DIR,
@@ -117,6 +124,8 @@ def format_filtered(rows: list[dict]) -> list[dict]:
 
 
 # --- split and tables ---------------------------------------------------------------------------------
+SPLITS = ("trajectory", "row")
+
 def split_rows(rows: list[dict], by: str, val_fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
     """(train, val). `trajectory`: a seeded permutation of trajectory ids, the first ⌈f·N⌉ to val, rows kept in
     order. `row`: sklearn's `train_test_split(test_size=f, random_state=seed)` order, reproduced with numpy."""
@@ -127,7 +136,7 @@ def split_rows(rows: list[dict], by: str, val_fraction: float, seed: int) -> tup
         n_val = math.ceil(val_fraction * len(rows))
         return [rows[i] for i in perm[n_val:]], [rows[i] for i in perm[:n_val]]
     if by != "trajectory":
-        raise ValueError(f"data_gen.split_by must be 'trajectory' or 'row', got {by!r}")
+        raise ValueError(f"data_gen.split_by must be one of {SPLITS}, got {by!r}")
     ids = sorted({row["trajectory_id"] for row in rows})
     perm = np.random.RandomState(seed).permutation(len(ids))
     val_ids = {ids[i] for i in perm[: math.ceil(val_fraction * len(ids))]}
@@ -206,8 +215,6 @@ def run_batches(cfg: DictConfig, proxy, partial: Path, resume: bool) -> list[dic
                  "stats": trajectory_stats(rollout.states).as_dict(), "proxy_state": proxy.state_dict()}
         atomic_io.write_json(partial / f"batch_{b:05d}.json", shard)
         shards.append(shard)
-        if not sys.stderr.isatty():
-            print(f"batch {b + 1}/{dg.num_batches} done", flush=True)
     return shards
 
 
@@ -297,17 +304,34 @@ def prepare_data_gen_config(cfg: DictConfig, config_name: str | None = None) -> 
     """Entry config + the `data_gen` block (config/data_gen.yaml under any overrides), prompt mode forced."""
     cfg = prepare_config(cfg, "data_gen", config_name)
     cfg.ctx_manager.mode = cfg.data_gen.prompt_mode
-    if cfg.data_gen.num_batches < 1:
-        raise ValueError(f"data_gen.num_batches must be >= 1, got {cfg.data_gen.num_batches}")
-    if cfg.data_gen.state_targets not in STATE_TARGETS:
-        raise ValueError(f"data_gen.state_targets must be one of {STATE_TARGETS}, got {cfg.data_gen.state_targets!r}")
+    check_data_gen_settings(cfg)
     return cfg
 
 
-@hydra.main(config_path="../config", version_base="1.3")
+def check_data_gen_settings(cfg: DictConfig) -> None:
+    """Every `data_gen` value the stage reads after its batches, checked before the first one: a typo found at
+    the end would cost the whole generation and leave `.partial/` under settings the fixed rerun cannot use."""
+    dg = cfg.data_gen
+    check_number(cfg, "data_gen.num_batches", 1, integer=True)
+    check_number(cfg, "data_gen.val_fraction", 0, 1, high_open=True)
+    check_number(cfg, "data_gen.split_seed", 0, integer=True)
+    if dg.split_by not in SPLITS:
+        raise ValueError(f"data_gen.split_by must be one of {SPLITS}, got {dg.split_by!r}")
+    if dg.state_targets not in STATE_TARGETS:
+        raise ValueError(f"data_gen.state_targets must be one of {STATE_TARGETS}, got {dg.state_targets!r}")
+    for key in ("format_filter", "write_csv", "write_trajectories", "resume"):
+        if not isinstance(dg[key], bool):
+            raise ValueError(f"data_gen.{key} must be true or false, got {dg[key]!r}")
+
+
+@hydra.main(config_path=str(CONFIG_DIR), version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    quiet_library_progress()
     with exit_on_user_error():
         cfg = prepare_data_gen_config(cfg)
+    resume_hint = (f"finished batches are kept in {Path(cfg.data_gen.output_dir) / PARTIAL_DIR}; the same command "
+                   "continues after them (data_gen.resume=true; RESUME=1 in the scripts)")
+    with exit_on_user_error(), exit_on_interrupt(resume_hint):
         apply_system_env(cfg)
         card = generate(cfg)
     print(render_data_card(card))

@@ -22,6 +22,24 @@ is_resume() {
     esac
 }
 
+# check_count NAME MIN: when the variable NAME is set, it must be an integer >= MIN.
+check_count() {
+    local name="$1" min="$2" value="${!1:-}"
+    [ -z "$value" ] && return 0
+    [[ "$value" =~ ^[0-9]+$ ]] && [ "$value" -ge "$min" ] \
+        || die "$name must be an integer >= $min, got '$value'"
+}
+
+# check_script_variables: every environment variable the scripts read as a number (and RESUME), checked before
+# any stage runs, so a typo is one line, not an unbound variable after the dataset was written.
+check_script_variables() {
+    check_count NGPUS 0
+    check_count BT_NUM 1
+    check_count TOTAL_STEPS 1
+    check_count ROLLOUT_TP 1
+    is_resume || true
+}
+
 # model_preset SIZE: Hydra model preset for MODEL=0.5B|1.5B|3B|llama1B|tiny|small|smollm2-135m.
 model_preset() {
     case "$1" in

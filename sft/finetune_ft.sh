@@ -48,6 +48,10 @@ case "${RESUME:-0}" in
     *) echo "error: RESUME must be 0 (fresh run, the default) or 1 (continue a matching run), got '$RESUME'" >&2; exit 2 ;;
 esac
 
+# An <env_type> naming an entry config is checked against the data card: other data is refused.
+card_check=()
+[[ -f "$(dirname "$0")/../config/$env_type.yaml" ]] && card_check=(data.config_name="$env_type")
+
 python=${PYTHON:-python}
 if "$python" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     if [[ -n "${CUDA_VISIBLE_DEVICES:-}" ]]; then
@@ -81,6 +85,7 @@ overrides=(
     trainer.project_name=spa-sft
     model.enable_gradient_checkpointing=False
     trainer.resume="$resume"
+    "${card_check[@]}"
     "$@"
 )
 # Check the config and data in one process first: a user error prints one line and exits with status 2.

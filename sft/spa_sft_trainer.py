@@ -35,6 +35,7 @@ from sft.fsdp_model import (
     shard,
     trainable_state_dict,
 )
+from sft.launcher_death import die_with_launcher
 from sft.liger import apply_liger, check_liger, fused_token_loss_sum
 from sft.loss_targets import LossTarget, prepare_tokenizer
 from sft.packing import (
@@ -51,9 +52,9 @@ from SPA_agent.runs.compile_cache import use_persistent_compile_cache
 from SPA_agent.runs.dir_lock import DirLock, check_unlocked, check_writable
 from SPA_agent.runs.lora import add_lora
 from SPA_agent.runs.metrics_logger import MetricsLogger
-from SPA_agent.runs.progress import progress_bar
+from SPA_agent.runs.progress import progress_bar, quiet_library_progress
 from SPA_agent.runs.trainer_dir import TrainerDir
-from SPA_agent.selfplay.data_card import check_dataset_complete
+from SPA_agent.selfplay.data_card import check_dataset_complete, check_dataset_config
 from SPA_agent.tiny import resolve_model_path
 
 FLEX_PAD_MULTIPLE = 512
@@ -65,9 +66,9 @@ TRUNCATION_FILE = "truncation.json"
 #: switched)
 RUN_DIR = TrainerDir.declare(
     owned=("sft_config.yaml", TRUNCATION_FILE),
-    ignored=("data.train_files", "data.val_files", "data.require_data_card", "model.partial_pretrain",
-             "model.use_liger", "trainer.resume", "trainer.max_ckpt_to_keep", "trainer.preflight_nproc",
-             "trainer.wandb_mode"),
+    ignored=("data.train_files", "data.val_files", "data.require_data_card", "data.config_name",
+             "model.partial_pretrain", "model.use_liger", "trainer.resume", "trainer.max_ckpt_to_keep",
+             "trainer.preflight_nproc", "trainer.wandb_mode"),
     fresh_hint="pass trainer.resume=disable")
 
 
@@ -169,6 +170,8 @@ class SftTrainer:
         if data.require_data_card:
             for file in files:
                 check_dataset_complete(file)
+                if data.config_name is not None:
+                    check_dataset_config(file, data.config_name)
         return RUN_DIR.resumable(self.out_dir, self.identity, self.cfg.trainer.resume == "auto")
 
     def report_truncation(self) -> dict[str, dict]:
@@ -440,6 +443,7 @@ class SftTrainer:
 @hydra.main(config_path="config", config_name="sft_trainer", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     """Entry point: reads torchrun's RANK/WORLD_SIZE/LOCAL_RANK; user errors exit with status 2."""
+    die_with_launcher()
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     init_method = "env://" if "MASTER_ADDR" in os.environ else None
@@ -447,6 +451,7 @@ def main(cfg: DictConfig) -> None:
         cfg.trainer.wandb_mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
     preflight = cfg.trainer.get("preflight_nproc")
     use_persistent_compile_cache()
+    quiet_library_progress()
     trainer = SftTrainer(cfg, rank, preflight or world, local_rank, init_method)
     try:
         if preflight:

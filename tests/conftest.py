@@ -21,6 +21,23 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def advantage_batches(monkeypatch):
+    """The PPO batches of this test's runs, each recorded once its advantages and returns are computed."""
+    from SPA_agent.trainer.ppo_trainer import PPOTrainer
+
+    batches = []
+    real_compute_advantage = PPOTrainer.compute_advantage
+
+    def compute_advantage(self, batch):
+        metrics = real_compute_advantage(self, batch)
+        batches.append(batch)
+        return metrics
+
+    monkeypatch.setattr(PPOTrainer, "compute_advantage", compute_advantage)
+    return batches
+
+
 @pytest.fixture(scope="session")
 def tiny_dir():
     """Directory of the embedded tiny model (built once per machine, then cached)."""

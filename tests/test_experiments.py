@@ -11,7 +11,9 @@ import sys
 
 import pyarrow.parquet as pq
 import pytest
+import torch
 from omegaconf import OmegaConf
+from turn_spans import turn_spans
 
 from SPA_agent import experiments
 from SPA_agent.config import ENTRY_CONFIGS, compose
@@ -131,14 +133,29 @@ def test_sft_variant_trains_with_the_experiments_overrides(tmp_path):
 
 
 @pytest.mark.slow
-def test_rl_variant_runs_bilevel_gae(tmp_path):
-    """RL variant: one PPO step with experiment=spa_bilevel_gae on the tiny model."""
+def test_rl_variant_runs_bilevel_gae(tmp_path, advantage_batches):
+    """RL variant: one PPO step with experiment=spa_bilevel_gae on the tiny model. With γ = λ = 1 inside turns,
+    every token of turn k returns G_k = Σ_{j ≥ k} γ_high^(j−k) R_j (R_j: the rewards of turn j), whatever the
+    critic says; token-level GAE would return the undiscounted Σ_{j ≥ k} R_j instead."""
     from SPA_agent.runs.metrics_logger import read_metrics
     from SPA_agent.trainer.main_ppo import run
 
     cfg = compose("_3_frozen_lake", ["model=tiny", "experiment=spa_bilevel_gae", *TINY_PPO,
                                      f"trainer.default_local_dir={tmp_path}"])
     assert cfg.algorithm.bi_level_gae is True
+    assert (cfg.algorithm.gamma, cfg.algorithm.lam, cfg.algorithm.high_level_gamma) == (1.0, 1.0, 0.95)
     records = read_metrics(run(cfg) / "metrics.jsonl")
     assert records[-1]["step"] == 1 and math.isfinite(records[-1]["actor/pg_loss"])
+    (batch,) = advantage_batches
+    t = batch.batch
+    discounted_somewhere = False
+    for row in range(len(batch)):
+        spans = turn_spans(t["response_mask"][row] * t["assistant_mask"][row])
+        rewards = [t["token_level_rewards"][row, span].sum().item() for span in spans]
+        for k, span in enumerate(spans):
+            turn_return = sum(0.95 ** (j - k) * r for j, r in enumerate(rewards[k:], start=k))
+            torch.testing.assert_close(t["returns"][row, span], torch.full((len(span),), turn_return), rtol=1e-5,
+                                       atol=1e-6)
+            discounted_somewhere |= abs(turn_return - sum(rewards[k:])) > 1e-3
+    assert discounted_somewhere
     assert OmegaConf.load(tmp_path / "config.yaml").experiment_info.name == "spa_bilevel_gae"

@@ -105,6 +105,15 @@ def test_run_baseline_trains_from_the_base_model_and_prints_the_summary(tmp_path
     ("run_spa.sh", ("_2_sokoban", "last", "False", "experiment=easy_to_hard"), {}, "applies to _3_frozen_lake"),
     ("run_spa.sh", ("_2_sokoban", "last", "maybe"), {}, "generate_data must be True or False, got 'maybe'"),
     ("train_ppo_sfted.sh", ("_2_sokoban", "tiny", "x"), {"RESUME": "yes"}, "RESUME must be 0"),
+    # issue 29: every numeric variable is checked before the first stage, in every script
+    ("run_spa.sh", ("_2_sokoban", "last", "True"), {"NGPUS": "x"}, "NGPUS must be an integer >= 0, got 'x'"),
+    ("train_ppo_sfted.sh", ("_2_sokoban", "tiny", "x"), {"NGPUS": "x"}, "NGPUS must be an integer >= 0, got 'x'"),
+    ("run_baseline.sh", ("_2_sokoban",), {"NGPUS": "-1"}, "NGPUS must be an integer >= 0, got '-1'"),
+    ("run_spa.sh", ("_2_sokoban", "last", "True"), {"BT_NUM": "two"}, "BT_NUM must be an integer >= 1, got 'two'"),
+    ("run_baseline.sh", ("_2_sokoban",), {"TOTAL_STEPS": "0"}, "TOTAL_STEPS must be an integer >= 1, got '0'"),
+    ("train_ppo_sfted.sh", ("_2_sokoban", "tiny", "x"), {"ROLLOUT_TP": "all"},
+     "ROLLOUT_TP must be an integer >= 1, got 'all'"),
+    ("run_baseline.sh", ("_2_sokoban",), {"RESUME": "2"}, "RESUME must be 0"),
     # llama1B is a model preset of the main job: stage 2 accepts it (and then checks the data)
     ("sft/finetune_ft.sh", ("_2_sokoban", "1", "/nonexistent/sft", "/nonexistent/data", "llama1B"), {},
      "wm_train.parquet not found"),
@@ -112,6 +121,7 @@ def test_run_baseline_trains_from_the_base_model_and_prints_the_summary(tmp_path
 def test_scripts_report_user_errors_in_one_line(script, args, env, message):
     result = _run(script, *args, env=env, timeout=120)
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.splitlines()) == 1 and "==" not in result.stdout  # one line; no stage started
 
 
 def test_latest_checkpoint_picks_the_highest_global_step(tmp_path):

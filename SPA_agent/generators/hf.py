@@ -21,6 +21,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from SPA_agent.generators.base import (
     FINISH_LENGTH,
@@ -31,7 +32,7 @@ from SPA_agent.generators.base import (
     call_seed,
     stop_token_ids,
 )
-from SPA_agent.runs.progress import progress_bar
+from SPA_agent.runs.progress import Heartbeat, progress_bar
 
 DECODERS = ("auto", "generate", "static")
 #: with max_batch_tokens=auto on GPU: the share of free GPU memory the KV cache of one decode batch may take (the
@@ -102,6 +103,19 @@ def decode_batches(lengths: list[int], max_new_tokens: int, batch_size: int | No
         else:
             batches.append([index])
     return batches
+
+
+class HeartbeatCriterion(StoppingCriteria):
+    """Stops nothing: in a redirected log, a plain line every HEARTBEAT_S seconds of a long decode (a turn of a
+    real model on CPU takes minutes)."""
+
+    def __init__(self, prompt_width: int):
+        self.prompt_width, self.heartbeat = prompt_width, Heartbeat()
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        self.heartbeat.beat(lambda: f"generate: {input_ids.shape[1] - self.prompt_width} new tokens of "
+                                    f"{input_ids.shape[0]} sequences")
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
 def cut_at_stop(ids: list[int], stop_ids: set[int]) -> tuple[list[int], str]:
@@ -247,6 +261,7 @@ class HFGenerator:
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 generation_config=self._generation_config(),
+                stopping_criteria=StoppingCriteriaList([HeartbeatCriterion(input_ids.shape[1])] if self.progress else []),
             )
         return output[:, input_ids.shape[1] :].tolist()
 

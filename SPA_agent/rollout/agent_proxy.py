@@ -54,7 +54,7 @@ class LLMAgentProxy:
     def rollout(self, val: bool = False, seed: int | None = None) -> Rollout:
         es = self.es_manager(val)
         active = es.reset(seed=seed)
-        turns = progress_bar(range(self.max_turn), desc="val rollout" if val else "rollout", leave=False,
+        turns = progress_bar(range(self.max_turn), desc="val rollout turns" if val else "rollout turns", leave=False,
                              disable=not self.progress)
         for _ in turns:
             prompts = self._prompts(es, active)

@@ -19,6 +19,9 @@ from verl.utils import torch_functional as verl_F
 from SPA_agent.trainer import lora
 from SPA_agent.trainer.packing import SEGMENTS_KWARG, PackedRows
 
+#: the critic's value head: AutoModelForTokenClassification's `score` layer (one output per token)
+VALUE_HEAD = "score"
+
 #: batch keys a forward pass reads
 MODEL_INPUT_KEYS = ("input_ids", "attention_mask", "position_ids")
 #: float32 logits the packed log-prob head holds at once (1 GiB): it projects a packed row onto the vocabulary
@@ -47,14 +50,29 @@ def load_actor(path: str, device: torch.device, gradient_checkpointing: bool) ->
 def load_critic(path: str, device: torch.device, gradient_checkpointing: bool) -> nn.Module:
     """The value model: the same checkpoint with a 1-output token-classification head, dropout 0 (spec §10.3).
 
-    From a causal-LM checkpoint the head `score` is freshly initialised; from a critic checkpoint it is loaded.
+    From a causal-LM checkpoint the head `score` is freshly initialised, by design: one line says so, in place of
+    transformers' load report, whose "MISSING … consider training" table reads like a broken checkpoint. From a
+    critic checkpoint the head is loaded.
     """
     from transformers import AutoConfig, AutoModelForTokenClassification
+    from transformers.utils import logging
 
     config = AutoConfig.from_pretrained(path, num_labels=1)
     config.classifier_dropout = 0.0  # set after loading: unknown keyword arguments are dropped by from_pretrained
-    model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32).to(device)
-    _set_gradient_checkpointing(model, gradient_checkpointing)
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        model, info = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32,
+                                                                      output_loading_info=True)
+    finally:
+        logging.set_verbosity(verbosity)
+    missing = sorted(info["missing_keys"])
+    if missing and all(key.startswith(f"{VALUE_HEAD}.") for key in missing):
+        print(f"critic: new value head ({', '.join(missing)}) initialised, as intended for a critic started from a "
+              "language model", flush=True)
+    elif missing:
+        print(f"warning: the critic's weights {missing} are not in {path} and were initialised at random", flush=True)
+    _set_gradient_checkpointing(model.to(device), gradient_checkpointing)
     return model
 
 

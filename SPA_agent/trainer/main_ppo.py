@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import random
 import sys
+import time
 from pathlib import Path
 
 import hydra
@@ -23,11 +24,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from SPA_agent.config import CONFIG_DIR
-from SPA_agent.entry import apply_system_env, exit_on_user_error, load_tokenizer
+from SPA_agent.entry import apply_system_env, exit_on_interrupt, exit_on_user_error, load_tokenizer
 from SPA_agent.runs import run_identity
 from SPA_agent.runs.atomic_io import write_text
 from SPA_agent.runs.compile_cache import use_persistent_compile_cache
 from SPA_agent.runs.dir_lock import DirLock, check_unlocked, check_writable
+from SPA_agent.runs.progress import quiet_library_progress
 from SPA_agent.runs.trainer_dir import TrainerDir
 
 #: a PPO run's directory: besides every trainer's outputs it writes the latest-step file and its config; config keys
@@ -103,8 +105,11 @@ def build_trainer(cfg: DictConfig, lock: DirLock):
     check_unlocked(output_dir)
     resume = RUN_DIR.resumable(output_dir, identity, cfg.trainer.resume_mode == "auto")
     seed_everything(cfg.trainer.seed)
+    print(f"loading the models from {cfg.actor_rollout_ref.model.path} ({cfg.trainer.backend} backend)", flush=True)
+    start = time.perf_counter()
     backend = load_backend(cfg, tokenizer)
-    proxy = LLMAgentProxy(cfg, backend, tokenizer, mode=cfg.ctx_manager.mode)
+    print(f"models loaded ({time.perf_counter() - start:.0f} s)", flush=True)
+    proxy = LLMAgentProxy(cfg, backend, tokenizer, mode=cfg.ctx_manager.mode, progress=True)
     lock.acquire()
     if not resume:
         RUN_DIR.reset(output_dir, identity)
@@ -143,9 +148,12 @@ def _copy_environment(cfg: DictConfig) -> None:
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="_2_sokoban", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    quiet_library_progress()
     _copy_environment(cfg)
+    resume_hint = (f"the checkpoints saved so far are in {cfg.trainer.default_local_dir}; the same command with "
+                   "trainer.resume_mode=auto (RESUME=1 in the scripts) continues from the latest")
     try:
-        with exit_on_user_error():
+        with exit_on_user_error(), exit_on_interrupt(resume_hint):
             output_dir = run(cfg)
     except torch.OutOfMemoryError:
         print(f"error: {OOM_ADVICE}", file=sys.stderr)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
@@ -12,10 +12,12 @@ from verl.utils import torch_functional as verl_F
 
 
 class PhaseTimer:
-    """Wall-clock seconds per named phase, reported as `timing_s/<phase>`."""
+    """Wall-clock seconds per named phase, reported as `timing_s/<phase>`; `report(phase, seconds)`, when given,
+    is called as each phase ends (PPO prints it to a redirected log, so a long step shows its progress)."""
 
-    def __init__(self) -> None:
+    def __init__(self, report: Callable[[str, float], None] | None = None) -> None:
         self.seconds: dict[str, float] = {}
+        self.report = report
 
     @contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
@@ -23,7 +25,10 @@ class PhaseTimer:
         try:
             yield
         finally:
-            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+            if self.report is not None:
+                self.report(phase, seconds)
 
     def metrics(self) -> dict[str, float]:
         return {f"timing_s/{phase}": seconds for phase, seconds in self.seconds.items()}

@@ -30,7 +30,7 @@ from verl.trainer.ppo import core_algos
 
 from SPA_agent.runs import checkpoint_dirs
 from SPA_agent.runs.metrics_logger import MetricsLogger
-from SPA_agent.runs.progress import progress_bar
+from SPA_agent.runs.progress import plain_line, progress_bar
 from SPA_agent.trainer import algos, checkpoint
 from SPA_agent.trainer.backend import WorkerGroup
 from SPA_agent.trainer.diagnostics import Diagnostics
@@ -59,8 +59,8 @@ class PPOTrainer:
         if self.global_step == 0 and trainer_cfg.val_before_train and trainer_cfg.test_freq > 0:
             self.logger.log(self.validate(), step=0)
         steps = range(self.global_step + 1, self.total_steps + 1)
-        for step in progress_bar(steps, desc="ppo", initial=self.global_step, total=self.total_steps):
-            timer = PhaseTimer()
+        for step in progress_bar(steps, desc="ppo", initial=self.global_step, total=self.total_steps, lines=False):
+            timer = PhaseTimer(report=lambda phase, seconds, step=step: _report_phase(step, phase, seconds))
             with timer("step"):
                 metrics = self.train_step(step, timer)
                 last = step == self.total_steps
@@ -180,7 +180,8 @@ class PPOTrainer:
         if self.cfg.trainer.resume_mode != "auto":
             return 0
         step = checkpoint.latest_step(self.output_dir)
-        if step is None:
+        if step is None:  # stopped before its first checkpoint: the run starts over and logs step 0 again
+            self.logger.truncate_after(-1)
             return 0
         self.backend.load(checkpoint_dirs.step_dir(self.output_dir, step))
         state = checkpoint.load_trainer_state(self.output_dir, step)
@@ -192,6 +193,12 @@ class PPOTrainer:
         self.logger.truncate_after(step)
         tqdm.write(f"resumed from {checkpoint_dirs.step_dir(self.output_dir, step)}")
         return step
+
+
+def _report_phase(step: int, phase: str, seconds: float) -> None:
+    """A redirected log's line per finished phase (the whole step is the metric logger's line)."""
+    if phase != "step":
+        plain_line(f"step {step}: {phase} done ({seconds:.1f} s)")
 
 
 def _turns(batch: DataProto, algo: DictConfig) -> dict | None:

@@ -40,6 +40,28 @@ def prompts_of_lengths(tokenizer, repeats: list[int]) -> list[Prompt]:
     return [make_prompt(tokenizer, f"Turn {r}:\nState:\n" + grid * r) for r in repeats]
 
 
+def plain_greedy(model, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int]) -> tuple[list[int], str]:
+    """(token ids, finish reason) of greedy decoding by the plainest loop: the whole sequence through the model at
+    every step, no cache, no padding, no batch; it stops after the first of `stop_ids` ("stop") or at
+    `max_new_tokens` ("length"). What a decoder's stop handling is checked against."""
+    import torch
+
+    ids: list[int] = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logits = model(torch.tensor([prompt_ids + ids])).logits[0, -1]
+            ids.append(int(logits.argmax()))
+            if ids[-1] in stop_ids:
+                return ids, "stop"
+    return ids, "length"
+
+
+@pytest.fixture
+def greedy_reference():
+    """plain_greedy(model, prompt_ids, max_new_tokens, stop_ids)."""
+    return plain_greedy
+
+
 @pytest.fixture(name="make_prompt")
 def make_prompt_fixture(tiny_tokenizer):
     """make_prompt(user_text, prefix="<think>", history=None, worldmodel=False) on the tiny tokenizer."""
@@ -54,8 +76,7 @@ def prompts_of_lengths_fixture(tiny_tokenizer):
 @pytest.fixture(scope="session")
 def varied_model(tiny_model):
     """The tiny architecture with larger random weights (init std 0.2, seed 0): greedy decoding gives varied
-    tokens (the embedded model, std 0.02, repeats one token) and row 0 of `prompts_of_lengths(REPEATS)` ends
-    its turn with `<|im_end|>` after 9 tokens."""
+    tokens (the embedded model, std 0.02, repeats one token), and some turns end early (`greedy_reference`)."""
     import copy
 
     import torch

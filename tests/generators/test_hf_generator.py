@@ -57,12 +57,19 @@ def test_padded_batch_equals_each_prompt_alone_greedy(varied_model, tiny_tokeniz
     assert [len(set(g.token_ids)) > 5 for g in batched] == [True] * len(prompts)
 
 
-def test_stops_at_end_of_turn_token_per_sequence(varied_model, tiny_tokenizer, prompts_of_lengths):
-    generations = hf(varied_model, tiny_tokenizer).generate(prompts_of_lengths(REPEATS))
-    im_end = tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")
-    assert generations[0].token_ids[-1] == im_end and generations[0].finish_reason == "stop"
-    assert len(generations[0].token_ids) == 9 and "<|im_end|>" not in generations[0].text
-    assert [g.finish_reason for g in generations[1:]] == ["length"] * 3  # the others went on
+def test_stops_at_end_of_turn_token_per_sequence(varied_model, tiny_tokenizer, prompts_of_lengths,
+                                                 greedy_reference):
+    """Each row stops where the plainest greedy loop meets an end of turn (the token kept, not in the text);
+    the others run to max_new_tokens."""
+    prompts = prompts_of_lengths(REPEATS)
+    stop_ids = set(end_of_turn_ids(varied_model, tiny_tokenizer))
+    expected = [greedy_reference(varied_model, p.prompt_ids, GREEDY.max_new_tokens, stop_ids) for p in prompts]
+    assert {reason for _, reason in expected} == {"stop", "length"}  # both ends occur in this batch
+    generations = hf(varied_model, tiny_tokenizer).generate(prompts)
+    assert [(g.token_ids, g.finish_reason) for g in generations] == expected
+    for generation in generations:
+        assert generation.text == tiny_tokenizer.decode(generation.token_ids, skip_special_tokens=True)
+        assert "<|im_end|>" not in generation.text
 
 
 def test_extra_end_of_turn_id_from_generation_config_cuts_there(
@@ -146,3 +153,20 @@ def test_bad_settings_are_clear_errors(tiny_model, tiny_tokenizer):
         hf(tiny_model, tiny_tokenizer, decoder="fast")
     with pytest.raises(ValueError, match="unknown generator"):
         build_generator({"name": "nope"}, "tiny", tiny_tokenizer)
+
+
+def test_a_redirected_decode_prints_a_heartbeat_and_decodes_the_same(tiny_model, tiny_tokenizer, prompts_of_lengths,
+                                                                      monkeypatch, capsys):
+    """With progress on and stderr redirected, transformers' generate prints a plain line every HEARTBEAT_S
+    seconds (here 0: every step); the tokens are those of a silent run."""
+    from SPA_agent.runs import progress
+
+    prompts = prompts_of_lengths([1, 2])
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=3, seed=5)
+    silent = HFGenerator(tiny_model, tiny_tokenizer, sampling, progress=False).generate(prompts)
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(progress, "HEARTBEAT_S", 0.0)
+    shown = HFGenerator(tiny_model, tiny_tokenizer, sampling, progress=True).generate(prompts)
+    assert [g.token_ids for g in shown] == [g.token_ids for g in silent]
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(" (")[0] for line in lines] == [f"generate: {n} new tokens of 2 sequences" for n in (1, 2, 3)]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from SPA_agent.generators import SamplingParams
-from SPA_agent.generators.hf import HFGenerator
+from SPA_agent.generators.hf import HFGenerator, end_of_turn_ids
 from SPA_agent.generators.static_decode import DECODE_KWARG, decode_attention, filter_logits, left_aligned
 
 REPEATS = [1, 12, 3, 40]
@@ -36,11 +36,15 @@ def test_greedy_static_decoder_equals_generate(
     assert [g.text for g in static] == [g.text for g in plain]
 
 
-def test_stops_per_sequence_and_respects_length(varied_model, tiny_tokenizer, prompts_of_lengths):
+def test_stops_per_sequence_and_respects_length(varied_model, tiny_tokenizer, prompts_of_lengths, greedy_reference):
+    """Each row stops where the plainest greedy loop meets an end of turn, or runs to max_new_tokens."""
+    prompts = prompts_of_lengths(REPEATS)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=20)
-    generations = hf(varied_model, tiny_tokenizer, greedy, "static").generate(prompts_of_lengths(REPEATS))
-    assert len(generations[0].token_ids) == 9 and generations[0].finish_reason == "stop"  # <|im_end|>
-    assert all(len(g.token_ids) == 20 and g.finish_reason == "length" for g in generations[1:])
+    stop_ids = set(end_of_turn_ids(varied_model, tiny_tokenizer))
+    expected = [greedy_reference(varied_model, p.prompt_ids, 20, stop_ids) for p in prompts]
+    assert {reason for _, reason in expected} == {"stop", "length"}  # both ends occur in this batch
+    generations = hf(varied_model, tiny_tokenizer, greedy, "static").generate(prompts)
+    assert [(g.token_ids, g.finish_reason) for g in generations] == expected
 
 
 def test_all_sequences_stopped_ends_the_loop(varied_model, tiny_tokenizer, prompts_of_lengths):
@@ -143,6 +147,30 @@ def test_flash_decode_equals_masked_reference_on_gpu():
     query, key, value, kv_lengths, decode = _decode_inputs("cuda", torch.bfloat16, batch=16, length=300, head_dim=64)
     output, _ = decode_attention(_Attention(), query, key, value, None, scaling=0.5, **{DECODE_KWARG: decode})
     torch.testing.assert_close(output.float(), _reference_decode(query, key, value, kv_lengths), atol=2e-2, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and flash decoding need a CUDA GPU")
+def test_cuda_graph_flash_decoder_equals_generate_on_gpu(varied_model, tiny_tokenizer, prompts_of_lengths,
+                                                        monkeypatch):
+    """The static decoder as it runs on a GPU (every decode step a replay of a captured CUDA graph, attention by
+    flash attention's variable-length kernel) gives generate's greedy tokens and finish reasons. float16: half
+    precision, as flash attention needs, with more mantissa than bfloat16 against near-ties."""
+    from SPA_agent.generators import static_decode
+
+    if not static_decode._flash_capable(torch.device("cuda")):
+        pytest.skip("flash attention needs an Ampere or newer GPU")
+    flash_calls, replayed = [], []
+    real_flash, real_step = static_decode.flash_decode, static_decode._DecodeState.step
+    monkeypatch.setattr(static_decode, "flash_decode", lambda *a, **k: flash_calls.append(1) or real_flash(*a, **k))
+    monkeypatch.setattr(static_decode._DecodeState, "step",
+                        lambda self: replayed.append(self.graph is not None) or real_step(self))
+    model = copy.deepcopy(varied_model).to("cuda", torch.float16)
+    prompts = prompts_of_lengths([1, 2, 3, 5, 8, 12, 20, 40])
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=24)
+    static = hf(model, tiny_tokenizer, greedy, "static").generate(prompts)
+    assert flash_calls and replayed and all(replayed)  # flash attention captured in the graph; every step replayed
+    plain = hf(model, tiny_tokenizer, greedy, "generate").generate(prompts)
+    assert [(g.token_ids, g.finish_reason) for g in static] == [(g.token_ids, g.finish_reason) for g in plain]
 
 
 def test_left_aligned_moves_prompts_to_the_start_of_their_rows():

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -102,6 +104,29 @@ def test_incomplete_dataset_is_refused_unless_allowed(tmp_path):
     (data / ".partial").mkdir()
     with pytest.raises(ValueError, match="unfinished data generation"):
         SftTrainer(compose(data, tmp_path / "sft")).preflight()
+
+
+def test_data_of_another_config_is_refused(tmp_path):
+    data = make_dataset(tmp_path / "data")
+    (data / "data_card.json").write_text(json.dumps({"config_name": "_3_frozen_lake"}))
+    message = (f"{data} holds _3_frozen_lake data (data_card.json) but this run is for _2_sokoban: pass the "
+               "_2_sokoban data, or data.config_name=null to train on it anyway")
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        SftTrainer(compose(data, tmp_path / "sft", "data.config_name=_2_sokoban")).preflight()
+    SftTrainer(compose(data, tmp_path / "sft", "data.config_name=_3_frozen_lake")).preflight()
+    SftTrainer(compose(data, tmp_path / "sft")).preflight()  # null: no check
+    # filtered data (sft/filter_sft_by_tag.py) carries the card of its source
+    (data / "data_card.json").write_text(json.dumps({"source_card": {"config_name": "_3_frozen_lake"}}))
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        SftTrainer(compose(data, tmp_path / "sft", "data.config_name=_2_sokoban")).preflight()
+    # the stage-2 script names its <env_type> as the config: one line, exit 2, nothing trained
+    script = Path(__file__).resolve().parents[2] / "sft" / "finetune_ft.sh"
+    result = subprocess.run(["bash", str(script), "_2_sokoban", "1", str(tmp_path / "sft"), str(data), "tiny",
+                             "data.train_batch_size=4"],
+                            capture_output=True, text=True, check=False, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHON": sys.executable})
+    assert result.returncode == 2 and result.stderr == f"error: {message}\n"
+    assert not (tmp_path / "sft" / "train.log").exists()
 
 
 def test_directory_of_an_older_version_is_refused_when_resuming(tmp_path):

@@ -96,9 +96,11 @@ def test_filter_refuses_impossible_bounds_and_writes_a_card(tmp_path, capsys):
     check_dataset_complete(tmp_path / "out" / "wm_train.parquet")
 
 
-def test_progress_bars_write_nothing_to_a_log_file(tmp_path):
+def test_progress_bars_write_plain_lines_to_a_log_file(tmp_path):
     log = tmp_path / "run.log"
     with log.open("w") as f:
-        for _ in progress_bar(range(3), desc="steps", file=f):
-            pass
-    assert log.read_text() == ""
+        assert list(progress_bar(range(2), desc="steps", file=f)) == [0, 1]
+        assert list(progress_bar(range(2, 3), desc="batches", initial=2, total=3, file=f)) == [2]
+        assert list(progress_bar(range(2), desc="quiet", file=f, disable=True)) == [0, 1]
+        assert list(progress_bar(range(2), desc="own lines", file=f, lines=False)) == [0, 1]
+    assert log.read_text() == "steps 1/2 done (0 s)\nsteps 2/2 done (0 s)\nbatches 3/3 done (0 s)\n"

@@ -81,3 +81,18 @@ def test_latest_file_pointing_at_a_missing_checkpoint_is_an_error(tmp_path):
     (tmp_path / checkpoint.LATEST_FILE).write_text("7\n")
     with pytest.raises(FileNotFoundError, match="resume_mode=disable"):
         checkpoint.latest_step(tmp_path)
+
+
+def test_a_rerun_before_the_first_checkpoint_logs_step_0_once(ppo_config, tmp_path):
+    """Killed after the step-0 validation line but before any checkpoint, a RESUME=1 rerun starts over: resume()
+    drops that line, which fit() writes again."""
+    from SPA_agent.runs.metrics_logger import MetricsLogger, read_metrics
+    from SPA_agent.trainer.ppo_trainer import PPOTrainer
+
+    cfg = ppo_config("_2_sokoban", "trainer.resume_mode=auto")
+    logger = MetricsLogger(tmp_path / "run", [], "project", "experiment", {})
+    logger.log({"val-env/SimpleSokoban/success": 0.5}, step=0)
+    trainer = PPOTrainer(cfg, backend=None, proxy=None, logger=logger)
+    assert trainer.resume() == 0 and read_metrics(logger.path) == []
+    logger.log({"val-env/SimpleSokoban/success": 0.5}, step=0)
+    assert read_metrics(logger.path) == [{"step": 0, "val-env/SimpleSokoban/success": 0.5}]

@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from turn_spans import turn_spans
 
 from SPA_agent.runs.metrics_logger import read_metrics
 from SPA_agent.trainer import algos
@@ -75,10 +76,52 @@ def test_turn_count_mismatch_is_refused():
         gigpo_advantages(rewards, mask, mask, GROUPS[:3], [["A"]] * 3, [[0.0]] * 3, step_gamma=1.0)
 
 
-def test_gigpo_ppo_runs_on_the_tiny_model_without_a_critic(ppo_config):
-    """The rollout's turn states and rewards line up with the token masks (checked inside) over two steps."""
-    output = run(ppo_config("_2_sokoban", "algorithm.adv_estimator=gigpo", "trainer.test_freq=0"))
+def expected_turn_advantages(scores, turn_states, turn_rewards, group_ids, gamma, weight):
+    """Per trajectory, per turn: (score − group mean)/(group std + ε) + weight · (R − mean)/(std + ε) over the
+    turns of its group with the same anchor state (0 alone), R the discounted reward to go; written out here,
+    apart from gigpo.py."""
+    def normalised(values):
+        mean = sum(values) / len(values)
+        if len(values) < 2:
+            return [0.0 for _ in values]
+        std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+        return [(v - mean) / (std + 1e-6) for v in values]
+
+    episode = {}
+    for group in set(group_ids):
+        rows = [i for i, g in enumerate(group_ids) if g == group]
+        episode.update(zip(rows, normalised([scores[i] for i in rows])))
+    returns = [[sum(r * gamma**k for k, r in enumerate(rewards[t:])) for t in range(len(rewards))]
+               for rewards in turn_rewards]
+    step = {}
+    for key in {(group_ids[i], state) for i, states in enumerate(turn_states) for state in states}:
+        turns = [(i, t) for i, states in enumerate(turn_states) for t, state in enumerate(states)
+                 if (group_ids[i], state) == key]
+        step.update(zip(turns, normalised([returns[i][t] for i, t in turns])))
+    return [[episode[i] + weight * step[(i, t)] for t in range(len(states))] for i, states in enumerate(turn_states)]
+
+
+def test_gigpo_ppo_trains_each_turn_with_its_step_level_advantage(ppo_config, advantage_batches):
+    """Two steps without a critic; each trained turn's tokens carry GiGPO's advantage, recomputed here from the
+    rollout's turn states and rewards. GRPO would give every token of a trajectory the same value: here turns of
+    one trajectory differ, which only the step-level part produces."""
+    cfg = ppo_config("_2_sokoban", "algorithm.adv_estimator=gigpo", "trainer.test_freq=0")
+    output = run(cfg)
     records = read_metrics(output / "metrics.jsonl")
-    assert [r["step"] for r in records] == [1, 2]
-    assert all(math.isfinite(r["actor/pg_loss"]) and "critic/vf_loss" not in r for r in records)
+    assert [r["step"] for r in records] == [1, 2] and all("critic/vf_loss" not in r for r in records)
     assert not (output / "global_step_2" / "critic").exists()
+    assert len(advantage_batches) == 2
+    varies_within_a_trajectory = False
+    for batch in advantage_batches:
+        t, nt = batch.batch, batch.non_tensor_batch
+        scores = t["token_level_rewards"].sum(-1).tolist()
+        expected = expected_turn_advantages(scores, nt["turn_states"], nt["turn_rewards"], list(nt["group_ids"]),
+                                            cfg.algorithm.step_gamma, cfg.algorithm.step_weight)
+        for row, want in enumerate(expected):
+            spans = turn_spans(t["response_mask"][row])
+            assert len(spans) == len(want)
+            got = [t["advantages"][row, span] for span in spans]
+            for turn, values in enumerate(got):
+                torch.testing.assert_close(values, torch.full_like(values, want[turn]), rtol=1e-4, atol=1e-5)
+            varies_within_a_trajectory |= len({round(v[0].item(), 4) for v in got}) > 1
+    assert varies_within_a_trajectory

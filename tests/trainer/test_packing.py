@@ -111,10 +111,15 @@ def test_packed_log_probs_and_values_equal_padded(ppo_config, tiny_tokenizer, ma
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                                  "seq-mean-token-sum-norm", "token-sum"])
-def test_packed_updates_equal_micro_batch_1(ppo_config, tiny_tokenizer, make_batch, agg):
-    """Actor loss, entropy and grad norm, critic loss and grad norm: packed token-budget micro-batches against
-    padded micro-batches of one trajectory, for every loss_agg_mode verl's agg_loss has."""
-    metrics = []
+def test_packed_updates_equal_micro_batch_1(ppo_config, tiny_tokenizer, make_batch, agg, monkeypatch):
+    """Actor loss, entropy and KL loss, critic loss, and every parameter's gradient: packed token-budget
+    micro-batches against padded micro-batches of one trajectory, for every loss_agg_mode verl's agg_loss has.
+    The packed run must pack what the token budget plans (so an update that ignored packing fails here)."""
+    packed_rows = []
+    real_pack = PackedRows.pack.__func__
+    monkeypatch.setattr(PackedRows, "pack", classmethod(
+        lambda cls, micro: packed_rows.append(micro["attention_mask"].sum(-1).tolist()) or real_pack(cls, micro)))
+    metrics, grads = [], []
     for overrides in (REFERENCE, PACKED):
         cfg = ppo_config("_2_sokoban", *overrides, "ppo_mini_batch_size=5", "actor_rollout_ref.actor.use_kl_loss=True",
                          "actor_rollout_ref.actor.kl_loss_coef=0.1", f"actor_rollout_ref.actor.loss_agg_mode={agg}",
@@ -129,9 +134,28 @@ def test_packed_updates_equal_micro_batch_1(ppo_config, tiny_tokenizer, make_bat
             batch.batch["old_log_probs"] = lm.token_log_probs(backend.actor.model, mb, 1.0, False)[0] + 0.05
             batch.batch["ref_log_prob"] = batch.batch["old_log_probs"] - 0.1
             batch.batch["values"] = torch.zeros_like(batch.batch["returns"]) + 0.3
+        grads.append(record_gradients(backend, monkeypatch))
+        packed_rows.clear()
         metrics.append({**backend.update_critic(batch), **backend.update_actor(batch)})
+    # the packed run: the budget of 24 tokens packs the 5 trajectories (14, 11, 9, 14, 6 tokens) into 3
+    # micro-batches, for the critic's update and the actor's
+    assert sorted(map(sorted, packed_rows)) == [[6, 14]] * 2 + [[9, 14]] * 2 + [[11]] * 2
     reference, packed = metrics
-    for key in ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/grad_norm", "critic/vf_loss",
-                "critic/grad_norm"):
+    for key in ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "critic/vf_loss"):
         assert packed[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-6), key
-    assert reference["actor/grad_norm"] > 0 and reference["critic/grad_norm"] > 0
+    for role in ("actor", "critic"):
+        assert grads[0][role].keys() == grads[1][role].keys()
+        assert sum(g.norm() for g in grads[0][role].values()) > 0
+        for name, reference_grad in grads[0][role].items():
+            torch.testing.assert_close(grads[1][role][name], reference_grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def record_gradients(backend: LocalBackend, monkeypatch) -> dict[str, dict[str, torch.Tensor]]:
+    """{role: {parameter: gradient}}, filled as each role's optimizer step clips and applies its gradients."""
+    grads: dict[str, dict[str, torch.Tensor]] = {"actor": {}, "critic": {}}
+    for role, trainable in (("actor", backend.actor), ("critic", backend.critic)):
+        def clip_and_step(trainable=trainable, real=trainable.clip_and_step, into=grads[role]):
+            into.update({name: p.grad.clone() for name, p in trainable.model.named_parameters() if p.grad is not None})
+            return real()
+        monkeypatch.setattr(trainable, "clip_and_step", clip_and_step)
+    return grads

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoModelForCausalLM
 
 from SPA_agent.plots import plot_dir
@@ -27,6 +28,13 @@ TRAIN_KEYS = (
     "train/diag/distinct_batch", "train/diag/format_valid", "timing_s/diagnostics",
 )
 LOSSES = ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm")
+
+
+def safe_open_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a saved model directory (model.safetensors)."""
+    from safetensors.torch import load_file
+
+    return load_file(model_dir / "model.safetensors")
 
 
 def _check_run(output: Path, tag: str, steps: list[int]) -> list[dict]:
@@ -51,10 +59,23 @@ def _check_run(output: Path, tag: str, steps: list[int]) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.parametrize("config_name, tag", [("_3_frozen_lake", "FrozenLake"), ("_10_sudoku", "Sudoku")])
 def test_two_step_ppo_run_logs_finite_losses_and_checkpoints(ppo_config, config_name, tag):
-    """… and the diagnostics: input dependence at every step with mi_freq=1, the diagnostics plot."""
+    """… trains on policy: the filtered batch (1 group × 2) is one mini-batch, so each update starts at the policy
+    whose log-probs the rollout recorded (ratio 1: PPO's KL 0, nothing clipped), and the saved actor and critic
+    are not the starting model; and the diagnostics: input dependence at every step with mi_freq=1, the plot."""
+    from SPA_agent.tiny import resolve_model_path
+
     output = run(ppo_config(config_name, "trainer.diagnostics.mi_freq=1"))
     records = _check_run(output, tag, [0, 1, 2])
     assert f"val-env/{tag}/success" in records[-1]  # validation at the last step
+    for record in records[1:]:
+        assert abs(record["actor/ppo_kl"]) < 1e-9 and record["actor/pg_clipfrac"] == 0.0
+        assert record["actor/grad_norm"] > 0 and record["critic/grad_norm"] > 0
+    start = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny")).state_dict()
+    trained = AutoModelForCausalLM.from_pretrained(output / "global_step_2" / "actor").state_dict()
+    changed = [name for name, weight in start.items() if not torch.equal(weight, trained[name])]
+    assert "model.embed_tokens.weight" in changed and "model.norm.weight" in changed
+    critic = safe_open_tensors(output / "global_step_2" / "critic")
+    assert critic["score.weight"].shape == (1, start["model.norm.weight"].shape[0])
     for record in records[1:]:
         assert record["diag/mi/chance"] == 0.5 and 0 <= record["diag/mi/accuracy"] <= 1  # 2 groups
         assert math.isfinite(record["diag/mi/estimate"])
@@ -96,7 +117,7 @@ def test_entry_point_turns_config_mistakes_into_one_line(tmp_path):
 def test_resumed_run_reproduces_the_uninterrupted_run(ppo_config, tmp_path):
     """Interrupt after step 1 and resume: step 2's losses and the final actor equal an uninterrupted run's. The
     resumed run measures input dependence at every step, the other never: diagnostics leave training unchanged."""
-    import torch
+
 
     common = ("trainer.save_freq=1", "trainer.test_freq=0")
     straight = run(ppo_config("_2_sokoban", "trainer.total_training_steps=2", *common, "trainer.diagnostics.mi_freq=0",
