@@ -43,8 +43,16 @@ MULTI_TURN_STEPS, MULTI_TURN_TARGET = 20, 0.8
 THINKING = [*MULTI_TURN, "agent_proxy.enable_think=True", "actor_rollout_ref.rollout.response_length=64"]
 #: three-turn rows (prompts up to ~520 tokens) need longer SFT sequences than the one-turn test
 LONG_ROWS = ["data.max_length=1024", "data.max_tokens_per_micro_batch=4096"]
-#: the other estimators and algorithm presets (docs/ppo.md "Advantage estimators"): their overrides of the config
+#: GAE's critic trains alone for its first 2 steps (issue 25): a fresh critic's values are noise, so with
+#: gamma = lambda = 1 every token after the arm, `</answer><|im_end|>` included, carries the whole outcome advantage;
+#: once most answers pay, whitening makes a lone malformed answer a -4 sigma outlier, and at this lr one update
+#: pushed the format tokens every answer shares down until no answer parsed (seed 2 on one machine, seed 0 on
+#: another). With the warm-up every seed of docs/ppo.md's table reaches the target.
+GAE = ["algorithm.adv_estimator=gae", "trainer.critic_warmup=2"]
+#: the estimators and algorithm presets (docs/ppo.md "Advantage estimators"): their overrides of the config
 VARIANTS = {
+    "gae": GAE,
+    "grpo": ["algorithm.adv_estimator=grpo"],
     "rloo": ["algorithm.adv_estimator=rloo"],
     "reinforce_plus_plus": ["algorithm.adv_estimator=reinforce_plus_plus"],
     "reinforce_plus_plus_baseline": ["algorithm.adv_estimator=reinforce_plus_plus_baseline"],
@@ -89,9 +97,9 @@ def thinking_sft_checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("estimator", ["gae", "grpo", *VARIANTS])
+@pytest.mark.parametrize("estimator", VARIANTS)
 def test_ppo_learns_the_bandit_from_chance(sft_checkpoint, tmp_path, estimator):
-    overrides = VARIANTS.get(estimator, [f"algorithm.adv_estimator={estimator}"])
+    overrides = VARIANTS[estimator]
     cfg = compose(CONFIG, [f"model_path={sft_checkpoint}", *overrides, f"trainer.default_local_dir={tmp_path / 'run'}"])
     records = read_metrics(run(cfg) / "metrics.jsonl")
     curve = {r["step"]: r[SUCCESS] for r in records if SUCCESS in r}
