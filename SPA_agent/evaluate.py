@@ -22,9 +22,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from SPA_agent import atomic_io
 from SPA_agent.config import CONFIG_DIR
-from SPA_agent.dir_lock import DirLock, check_unlocked, check_writable
 from SPA_agent.entry import (
     apply_system_env,
     check_number,
@@ -33,9 +31,11 @@ from SPA_agent.entry import (
     load_tokenizer,
     prepare_config,
 )
+from SPA_agent.evaluation.passk import pass_any, passk_summary
 from SPA_agent.generators.base import FINISH_ERROR, Generation, Prompt
-from SPA_agent.passk import pass_any, passk_summary
-from SPA_agent.progress import quiet_library_progress
+from SPA_agent.runs import atomic_io
+from SPA_agent.runs.dir_lock import DirLock, check_unlocked, check_writable
+from SPA_agent.runs.progress import quiet_library_progress
 from SPA_agent.worldmodel import worldmodel_accuracy
 
 EXIT_INCOMPLETE = 1
@@ -206,9 +206,9 @@ def run_repeats(cfg: DictConfig, proxy, generator: ErrorTolerantGenerator) -> tu
 def evaluate(cfg: DictConfig, generator=None) -> dict:
     """Run the evaluation for a prepared config (`prepare_eval_config`) and write its outputs. `generator`
     (optional) is an already-built generator, e.g. the PPO actor's; otherwise `cfg.generator` is built."""
-    from SPA_agent.agent_proxy import LLMAgentProxy
     from SPA_agent.generators import build_generator
     from SPA_agent.plots import plot_passk
+    from SPA_agent.rollout.agent_proxy import LLMAgentProxy
 
     ev, out_dir = cfg.evaluation, Path(cfg.evaluation.output_dir)
     check_writable(out_dir)

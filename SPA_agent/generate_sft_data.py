@@ -25,12 +25,7 @@ import numpy as np
 import pyarrow as pa
 from omegaconf import DictConfig, OmegaConf
 
-from sft.filter_sft_by_tag import has_worldmodel_format
-from SPA_agent import atomic_io, run_identity
 from SPA_agent.config import CONFIG_DIR
-from SPA_agent.data_variants import STATE_TARGETS, state_targets
-from SPA_agent.datagen_card import CARD_FILE, PARTIAL_DIR, BatchStats, render_data_card, trajectory_stats
-from SPA_agent.dir_lock import DirLock, check_unlocked, check_writable
 from SPA_agent.entry import (
     apply_system_env,
     check_number,
@@ -39,8 +34,18 @@ from SPA_agent.entry import (
     load_tokenizer,
     prepare_config,
 )
-from SPA_agent.progress import progress_bar, quiet_library_progress
-from SPA_agent.worldmodel import substitute_states
+from SPA_agent.runs import atomic_io, run_identity
+from SPA_agent.runs.dir_lock import DirLock, check_unlocked, check_writable
+from SPA_agent.runs.progress import progress_bar, quiet_library_progress
+from SPA_agent.selfplay.data_card import (
+    CARD_FILE,
+    PARTIAL_DIR,
+    BatchStats,
+    render_data_card,
+    trajectory_stats,
+)
+from SPA_agent.selfplay.data_variants import STATE_TARGETS, state_targets
+from SPA_agent.worldmodel import has_worldmodel_format, substitute_states
 
 DATA_FILES = ("wm_train.parquet", "wm_val.parquet")
 # Unfinished runs keep batch shards in PARTIAL_DIR; the new dataset is staged in PARTIAL_DIR/final.
@@ -265,8 +270,8 @@ def generate(cfg: DictConfig) -> dict:
     Model, generator and envs are checked before anything is written; batches go to `<output_dir>/.partial/`
     and the dataset replaces the old one only once complete (`publish`). One process at a time per directory.
     """
-    from SPA_agent.agent_proxy import LLMAgentProxy
     from SPA_agent.generators import build_generator
+    from SPA_agent.rollout.agent_proxy import LLMAgentProxy
 
     out_dir = Path(cfg.data_gen.output_dir)
     check_writable(out_dir)

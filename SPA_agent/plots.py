@@ -20,9 +20,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from SPA_agent import atomic_io
-from SPA_agent.learning_curves import Curve
-from SPA_agent.metrics_file import read_records
+from SPA_agent.evaluation.learning_curves import Curve
+from SPA_agent.runs import atomic_io
+from SPA_agent.runs.metrics_file import read_records
 
 VAL_KEY = re.compile(r"^val-env/(?P<tag>[^/]+)/(?P<name>success|pass@\d+)$")
 #: panels of the diagnostics figure: (title, y label, metric keys plotted when logged)

@@ -21,9 +21,16 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from SPA_agent import atomic_io
-from SPA_agent.paper_results import ENVS, MAIN_RESULTS, MODEL_SIZE_TO_PAPER, SOURCE, TAG_TO_ENV, paper_numbers
+from SPA_agent.evaluation.paper_results import (
+    ENVS,
+    MAIN_RESULTS,
+    MODEL_SIZE_TO_PAPER,
+    SOURCE,
+    TAG_TO_ENV,
+    paper_numbers,
+)
 from SPA_agent.plots import read_metrics_jsonl
+from SPA_agent.runs import atomic_io
 
 HEADER = ("| run | env | source | Pass@1 | any-of-n (Pass@n) | unbiased pass@k [95% CI] | puzzles × samples "
           "| status | experiment | paper row: the paper's numbers |\n|---|---|---|---|---|---|---|---|---|---|")

@@ -29,7 +29,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from SPA_agent.tiny import DEFAULT_CACHE_DIR, MARKER_FILE
+from SPA_agent.model_cache import DEFAULT_CACHE_DIR, MARKER_FILE
 
 NAME = "smollm2-135m"
 VERSION = "v1"  # bump when the conversion changes: the cache is keyed on it

@@ -16,12 +16,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from SPA_agent.model_cache import DEFAULT_CACHE_DIR, MARKER_FILE
+
 TINY_NAME = "tiny"
 TINY_VERSION = "v1"  # bump when the recipe changes: the cache is keyed on it
 SMALL_NAME = "small"
 SMALL_VERSION = "v1"
-MARKER_FILE = "spa_tiny.json"  # written last into every embedded model's directory: {"name", "version"}
-DEFAULT_CACHE_DIR = Path.home() / ".cache" / "spa_agent"
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 BOS_OR_PAD, IM_START, IM_END = SPECIAL_TOKENS

@@ -3,7 +3,8 @@
 In `add_worldmodel` mode the model writes its belief about the current state inside `<observation>…</observation>`
 and about the state after its actions inside `<prediction>…</prediction>` (spec §6.4). These pure functions
 
-- extract those contents (`extract_states`),
+- extract those contents (`extract_states`) and check a response's world-model format (`has_worldmodel_format`,
+  the data filter's test, spec §8),
 - overwrite them with the environment's true renders (`substitute_states`, spec §8 step 4 — inserted as plain
   text, so states containing backslashes are copied verbatim), and
 - score imagined states against true ones (`state_accuracy`, `worldmodel_accuracy`): exact match, per-cell
@@ -13,12 +14,18 @@ and about the state after its actions inside `<prediction>…</prediction>` (spe
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 OBSERVATION_TAGS = ("<observation>", "</observation>")
 PREDICTION_TAGS = ("<prediction>", "</prediction>")
 SUDOKU_ROW_MARK = "|"
+_FLAGS = re.IGNORECASE | re.DOTALL
+THINK_RE = re.compile(r"<think>(.*?)</think>", _FLAGS)
+ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", _FLAGS)
+OBSERVATION_RE = re.compile(r"<observation>.*?</observation>", _FLAGS)
+PREDICTION_RE = re.compile(r"<prediction>.*?</prediction>", _FLAGS)
 
 # Names of the accuracy metrics, in the order they are reported.
 ACCURACY_KEYS = (
@@ -57,6 +64,17 @@ def extract_states(response: str) -> tuple[list[str], list[str]]:
     """Contents of every `<observation>` and every `<prediction>` block of `response`, in order, unstripped."""
     contents = lambda tags: [response[start:end] for start, end in block_contents(response, tags)]
     return contents(OBSERVATION_TAGS), contents(PREDICTION_TAGS)
+
+
+def has_worldmodel_format(response: str) -> bool:
+    """True if the first think block starts before the first answer block and its body holds an observation
+    block whose start precedes the first prediction block's start."""
+    think, answer = THINK_RE.search(response), ANSWER_RE.search(response)
+    if think is None or answer is None or think.start() >= answer.start():
+        return False
+    body = think.group(1)
+    observation, prediction = OBSERVATION_RE.search(body), PREDICTION_RE.search(body)
+    return observation is not None and prediction is not None and observation.start() < prediction.start()
 
 
 @dataclass(frozen=True)

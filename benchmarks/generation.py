@@ -234,8 +234,8 @@ def run_rollout(args, device: torch.device) -> None:
     model of the chosen shape over the tiny tokenizer's vocabulary (no download)."""
     from transformers import AutoTokenizer
 
-    from SPA_agent.agent_proxy import LLMAgentProxy
     from SPA_agent.config import compose
+    from SPA_agent.rollout.agent_proxy import LLMAgentProxy
     from SPA_agent.tiny import tiny_model_dir
 
     shape = args.shapes[-1]

@@ -16,9 +16,9 @@ import time
 
 from transformers import AutoTokenizer
 
-from SPA_agent.agent_proxy import LLMAgentProxy
 from SPA_agent.config import compose
 from SPA_agent.generators import build_generator
+from SPA_agent.rollout.agent_proxy import LLMAgentProxy
 from SPA_agent.tiny import resolve_model_path
 
 

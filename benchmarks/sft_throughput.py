@@ -18,7 +18,7 @@ also reports MFU with the projection counted where it is computed (6 Ã— hidden Ã
 
 `--liger both` measures every variant with the plain modules first, then with Liger's kernels (Liger swaps RoPE
 process-wide, so plain runs must come first). `first_step_s` is the first (untimed) step, flex attention's compile
-included: it uses the persistent compile cache (SPA_agent/compile_cache.py) like the trainer, so a second run of
+included: it uses the persistent compile cache (SPA_agent/runs/compile_cache.py) like the trainer, so a second run of
 the script on the same machine shows the warm-cache figure.
 """
 
@@ -45,7 +45,7 @@ from sft.packing import (
     token_loss_sum,
 )
 from sft.spa_sft_dataset import SftSample
-from SPA_agent.compile_cache import use_persistent_compile_cache
+from SPA_agent.runs.compile_cache import use_persistent_compile_cache
 
 PEAK_FLOPS = 989e12
 

@@ -3,7 +3,7 @@ Sudoku data).
 
 A row is kept when its `response` has a `<think>…</think>` block that starts before the first `<answer>…</answer>`
 block, and the think body holds an `<observation>…</observation>` block followed (later) by a
-`<prediction>…</prediction>` block (tags case-insensitive). Optional length bounds apply to the response in
+`<prediction>…</prediction>` block (tags case-insensitive; `SPA_agent.worldmodel.has_worldmodel_format`). Optional length bounds apply to the response in
 characters. Duplicate (prompt, response) pairs are dropped unless `--no-dedup`; prompts may be arrays of chat
 messages, so the key is a hash of their canonical JSON. Every column and the schema of the input are kept.
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import re
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,27 +24,12 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from SPA_agent import atomic_io
-from SPA_agent.datagen_card import CARD_FILE
-from SPA_agent.dir_lock import DirLock
+from SPA_agent.runs import atomic_io
+from SPA_agent.runs.dir_lock import DirLock
+from SPA_agent.selfplay.data_card import CARD_FILE
+from SPA_agent.worldmodel import has_worldmodel_format
 
 SPLITS = ("wm_train", "wm_val")
-_FLAGS = re.IGNORECASE | re.DOTALL
-THINK_RE = re.compile(r"<think>(.*?)</think>", _FLAGS)
-ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", _FLAGS)
-OBSERVATION_RE = re.compile(r"<observation>.*?</observation>", _FLAGS)
-PREDICTION_RE = re.compile(r"<prediction>.*?</prediction>", _FLAGS)
-
-
-def has_worldmodel_format(response: str) -> bool:
-    """True if the first think block starts before the first answer block and its body holds an observation
-    block whose start precedes the first prediction block's start."""
-    think, answer = THINK_RE.search(response), ANSWER_RE.search(response)
-    if think is None or answer is None or think.start() >= answer.start():
-        return False
-    body = think.group(1)
-    observation, prediction = OBSERVATION_RE.search(body), PREDICTION_RE.search(body)
-    return observation is not None and prediction is not None and observation.start() < prediction.start()
 
 
 def row_key(prompt: Any, response: str) -> str:

@@ -1,4 +1,4 @@
-"""Building the trained model: load, resize for added tokens, optional LoRA and gradient checkpointing, FSDP2.
+"""Building the trained model: load, resize for added tokens, gradient checkpointing, FSDP2 (LoRA: runs/lora.py).
 
 Every rank loads the same fp32 weights on the CPU; `fully_shard` then shards each decoder layer and the root
 over the device mesh and moves the shards to the mesh's device. On GPU the forward and backward run in bf16
@@ -28,18 +28,6 @@ def load_model(path: str, cfg, vocab_size: int) -> torch.nn.Module:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     return model
-
-
-def add_lora(model: torch.nn.Module, cfg) -> torch.nn.Module:
-    """Wrap with PEFT LoRA (`r=lora_rank`, `lora_alpha`, `target_modules`, no bias) when lora_rank > 0."""
-    if cfg.lora_rank <= 0:
-        return model
-    from peft import LoraConfig, get_peft_model
-
-    targets = cfg.target_modules if isinstance(cfg.target_modules, str) else list(cfg.target_modules)
-    lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=targets, bias="none",
-                      task_type="CAUSAL_LM")
-    return get_peft_model(model, lora)
 
 
 def shard(model: torch.nn.Module, mesh: DeviceMesh, bf16: bool) -> torch.nn.Module:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from sft.checkpointing import checkpoints
 from sft.spa_sft_trainer import SftTrainer
+from SPA_agent.runs.checkpoint_dirs import checkpoints
 
 CONFIG_DIR = Path(__file__).resolve().parent / "config"
 

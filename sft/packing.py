@@ -19,27 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from sft.spa_sft_dataset import SftSample
+from SPA_agent.runs.bin_packing import first_fit_decreasing
 
 IGNORE_INDEX = -100
 Plan = list[list[list[int]]]  # [rank][micro-batch] -> sample indices
-
-
-def first_fit_decreasing(lengths: Sequence[int], budget: int) -> list[list[int]]:
-    """Bins of indices with total length <= budget, longest samples placed first."""
-    bins: list[list[int]] = []
-    loads: list[int] = []
-    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        if lengths[index] > budget:
-            raise ValueError(f"a sample of {lengths[index]} tokens exceeds data.max_tokens_per_micro_batch="
-                             f"{budget}: set it to at least data.max_length")
-        slot = next((b for b, load in enumerate(loads) if load + lengths[index] <= budget), None)
-        if slot is None:
-            bins.append([])
-            loads.append(0)
-            slot = len(bins) - 1
-        bins[slot].append(index)
-        loads[slot] += lengths[index]
-    return bins
 
 
 def _balance(chunks: list[list[int]], lengths: Sequence[int], world_size: int) -> Plan:
@@ -59,6 +42,10 @@ def _balance(chunks: list[list[int]], lengths: Sequence[int], world_size: int) -
 def plan_packed(indices: Sequence[int], lengths: Sequence[int], world_size: int, token_budget: int) -> Plan:
     """Packed plan for the samples `indices` (lengths indexed by sample index)."""
     local = [lengths[i] for i in indices]
+    longest = max(local, default=0)
+    if longest > token_budget:
+        raise ValueError(f"a sample of {longest} tokens exceeds data.max_tokens_per_micro_batch="
+                         f"{token_budget}: set it to at least data.max_length")
     bins = [[indices[j] for j in b] for b in first_fit_decreasing(local, token_budget)]
     return _balance(bins, lengths, world_size)
 

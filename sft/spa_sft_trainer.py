@@ -29,7 +29,6 @@ from tqdm import tqdm
 
 from sft import checkpointing as ckpt
 from sft.fsdp_model import (
-    add_lora,
     full_state_dict,
     load_model,
     merged_hf_state_dict,
@@ -48,28 +47,29 @@ from sft.packing import (
     token_loss_sum,
 )
 from sft.spa_sft_dataset import SpaSftDataset
-from sft.tracking import MetricsLogger
-from SPA_agent import atomic_io, run_identity
-from SPA_agent.compile_cache import use_persistent_compile_cache
-from SPA_agent.datagen_card import check_dataset_complete, check_dataset_config
-from SPA_agent.dir_lock import DirLock, check_unlocked, check_writable
-from SPA_agent.progress import progress_bar, quiet_library_progress
+from SPA_agent.runs import atomic_io, checkpoint_dirs, run_identity
+from SPA_agent.runs.compile_cache import use_persistent_compile_cache
+from SPA_agent.runs.dir_lock import DirLock, check_unlocked, check_writable
+from SPA_agent.runs.lora import add_lora
+from SPA_agent.runs.metrics_logger import MetricsLogger
+from SPA_agent.runs.progress import progress_bar, quiet_library_progress
+from SPA_agent.runs.trainer_dir import TrainerDir
+from SPA_agent.selfplay.data_card import check_dataset_complete, check_dataset_config
 from SPA_agent.tiny import resolve_model_path
 
 FLEX_PAD_MULTIPLE = 512
 # Per split: rows, longest row, rows truncated and tokens cut (SpaSftDataset.truncation_report).
 TRUNCATION_FILE = "truncation.json"
-#: config keys that do not change the trained weights (data and model enter the run identity by checksum;
-#: model.use_liger only swaps kernels for the same loss, so a run may resume with it switched)
-IDENTITY_IGNORED = ("data.train_files", "data.val_files", "data.require_data_card", "data.config_name",
-                    "model.partial_pretrain", "model.use_liger",
-                    "trainer.default_local_dir", "trainer.project_name", "trainer.experiment_name", "trainer.logger",
-                    "trainer.resume", "trainer.save_freq", "trainer.max_ckpt_to_keep", "trainer.preflight_nproc",
-                    "trainer.wandb_mode")
-#: what a run writes into trainer.default_local_dir (a fresh run removes these; train.log is the launcher's)
-OWNED_OUTPUTS = ("global_step_*", ".global_step_*.tmp", "metrics.jsonl", "sft_config.yaml", "wandb",
-                 TRUNCATION_FILE, run_identity.IDENTITY_FILE)
-FRESH_HINT = "pass trainer.resume=disable"
+#: an SFT run's directory: besides every trainer's outputs it writes its config and the truncation report (train.log
+#: is the launcher's); config keys beyond every trainer's that do not change the trained weights (data and model enter
+#: the run identity by checksum; model.use_liger only swaps kernels for the same loss, so a run may resume with it
+#: switched)
+RUN_DIR = TrainerDir.declare(
+    owned=("sft_config.yaml", TRUNCATION_FILE),
+    ignored=("data.train_files", "data.val_files", "data.require_data_card", "data.config_name",
+             "model.partial_pretrain", "model.use_liger", "trainer.resume", "trainer.max_ckpt_to_keep",
+             "trainer.preflight_nproc", "trainer.wandb_mode"),
+    fresh_hint="pass trainer.resume=disable")
 
 
 def check_attention(cfg: DictConfig, use_cuda: bool) -> None:
@@ -139,17 +139,18 @@ class SftTrainer:
         if self.rank == 0:
             self.lock = DirLock(self.out_dir).acquire()
             if not resume:
-                run_identity.reset_run_dir(self.out_dir, self.identity, OWNED_OUTPUTS)
+                RUN_DIR.reset(self.out_dir, self.identity)
         dist.barrier()
         resumed = self._maybe_resume() if resume else 0
         if self.rank == 0:
-            ckpt.clean_staging(self.out_dir)
+            checkpoint_dirs.clean_staging(self.out_dir)
             OmegaConf.save(self.cfg, self.out_dir / "sft_config.yaml")
             truncation = self.report_truncation()
             self.metrics = MetricsLogger(self.out_dir, list(self.cfg.trainer.logger), self.cfg.trainer.project_name,
                                          self.cfg.trainer.experiment_name,
                                          OmegaConf.to_container(self.cfg) | {"truncation": truncation},
-                                         self.cfg.trainer.get("wandb_mode", "offline"), resumed)
+                                         mode=self.cfg.trainer.get("wandb_mode", "offline"), dir=str(self.out_dir))
+            self.metrics.truncate_after(resumed)
 
     def _check_output_dir(self) -> bool:
         """Whether to continue the run in the output directory (read-only): a live writer, or a run of other
@@ -163,7 +164,7 @@ class SftTrainer:
         if self.val_data is not None:
             inputs["val data"] = run_identity.files_checksum(self.val_data.files)
         config = OmegaConf.to_container(self.cfg, resolve=True)
-        self.identity = run_identity.build_identity(config, inputs, ignore=IDENTITY_IGNORED)
+        self.identity = run_identity.build_identity(config, inputs, ignore=RUN_DIR.ignored)
         check_writable(self.out_dir)
         check_unlocked(self.out_dir)
         if data.require_data_card:
@@ -171,8 +172,7 @@ class SftTrainer:
                 check_dataset_complete(file)
                 if data.config_name is not None:
                     check_dataset_config(file, data.config_name)
-        return run_identity.check_run_dir(self.out_dir, self.identity, self.cfg.trainer.resume == "auto",
-                                          OWNED_OUTPUTS, FRESH_HINT)
+        return RUN_DIR.resumable(self.out_dir, self.identity, self.cfg.trainer.resume == "auto")
 
     def report_truncation(self) -> dict[str, dict]:
         """Print one line per split on what data.truncation cut, and write it to truncation.json."""
@@ -244,7 +244,7 @@ class SftTrainer:
         if mcfg.use_liger:
             apply_liger(model)
         self.loss_sum = fused_token_loss_sum if mcfg.use_liger else token_loss_sum
-        model = add_lora(model, mcfg)
+        model = add_lora(model, mcfg, "model")
         self.lora_scale = mcfg.lora_alpha / mcfg.lora_rank if mcfg.lora_rank > 0 else None
         self.model = shard(model, self.mesh, bf16=self.device.type == "cuda")
 
@@ -400,7 +400,7 @@ class SftTrainer:
         """Write `global_step_N/` (HF model + tokenizer + train_state/) atomically; prune old ones."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        staging = ckpt.staging_dir(self.out_dir, self.global_step)
+        staging = checkpoint_dirs.staging_dir(self.out_dir, self.global_step)
         state = full_state_dict(self.model)
         optim_state = get_optimizer_state_dict(self.model, self.optimizer,
                                                options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -416,12 +416,12 @@ class SftTrainer:
         dist.barrier()
         torch.save(torch.get_rng_state(), staging / ckpt.TRAIN_STATE / f"rng_rank{self.rank}.pt")
         dist.barrier()
-        final = ckpt.step_dir(self.out_dir, self.global_step)
+        final = checkpoint_dirs.step_dir(self.out_dir, self.global_step)
         if self.rank == 0:
             epoch, index = divmod(self.global_step, self.steps_per_epoch)
             ckpt.write_state(staging, {"global_step": self.global_step, "epoch": epoch, "step_in_epoch": index,
                                        "end_of_epoch": end_of_epoch, "total_steps": self.total_steps})
-            ckpt.publish(self.out_dir, self.global_step)
+            checkpoint_dirs.publish(self.out_dir, self.global_step)
             ckpt.prune(self.out_dir, self.cfg.trainer.max_ckpt_to_keep)
         dist.barrier()
         return final

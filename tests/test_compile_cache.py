@@ -1,4 +1,4 @@
-"""The persistent torch.compile cache (SPA_agent/compile_cache.py): defaults under the user's cache directory,
+"""The persistent torch.compile cache (SPA_agent/runs/compile_cache.py): defaults under the user's cache directory,
 variables the user set are kept, and the SFT and PPO entry points apply it."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from SPA_agent.compile_cache import use_persistent_compile_cache
+from SPA_agent.runs.compile_cache import use_persistent_compile_cache
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -17,8 +17,8 @@ from turn_spans import turn_spans
 
 from SPA_agent import experiments
 from SPA_agent.config import ENTRY_CONFIGS, compose
+from SPA_agent.evaluation.paper_results import PAPER_ROWS
 from SPA_agent.generate_sft_data import generate, prepare_data_gen_config
-from SPA_agent.paper_results import PAPER_ROWS
 from SPA_agent.trainer.config_checks import check_config
 from SPA_agent.worldmodel import extract_states
 
@@ -137,8 +137,8 @@ def test_rl_variant_runs_bilevel_gae(tmp_path, advantage_batches):
     """RL variant: one PPO step with experiment=spa_bilevel_gae on the tiny model. With γ = λ = 1 inside turns,
     every token of turn k returns G_k = Σ_{j ≥ k} γ_high^(j−k) R_j (R_j: the rewards of turn j), whatever the
     critic says; token-level GAE would return the undiscounted Σ_{j ≥ k} R_j instead."""
+    from SPA_agent.runs.metrics_logger import read_metrics
     from SPA_agent.trainer.main_ppo import run
-    from SPA_agent.trainer.tracking import read_metrics
 
     cfg = compose("_3_frozen_lake", ["model=tiny", "experiment=spa_bilevel_gae", *TINY_PPO,
                                      f"trainer.default_local_dir={tmp_path}"])

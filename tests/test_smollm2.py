@@ -15,8 +15,9 @@ import torch
 from conftest import SMOLLM2_TEMPLATE
 
 from SPA_agent import smollm2
-from SPA_agent.chat_tokens import CONTEXT, SAMPLED, SYSTEM, AssistantTurn, ChatTokenizer
-from SPA_agent.tiny import MARKER_FILE, tiny_model_dir
+from SPA_agent.model_cache import MARKER_FILE
+from SPA_agent.rollout.chat_tokens import CONTEXT, SAMPLED, SYSTEM, AssistantTurn, ChatTokenizer
+from SPA_agent.tiny import tiny_model_dir
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=512, rope_theta=100000.0, rms_norm_eps=1e-5)

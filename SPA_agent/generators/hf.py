@@ -32,7 +32,7 @@ from SPA_agent.generators.base import (
     call_seed,
     stop_token_ids,
 )
-from SPA_agent.progress import Heartbeat, progress_bar
+from SPA_agent.runs.progress import Heartbeat, progress_bar
 
 DECODERS = ("auto", "generate", "static")
 #: with max_batch_tokens=auto on GPU: the share of free GPU memory the KV cache of one decode batch may take (the

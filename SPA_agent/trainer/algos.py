@@ -19,7 +19,7 @@ from verl.trainer.config import AlgoConfig
 from verl.trainer.ppo import core_algos
 from verl.utils import torch_functional as verl_F
 
-from SPA_agent.rewards import turn_ends
+from SPA_agent.rollout.rewards import turn_ends
 from SPA_agent.trainer.gigpo import gigpo_advantages
 
 # --------------------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """PPO checkpoints: `<default_local_dir>/global_step_<s>/{actor,critic,trainer_state.pt}` (spec §10.5).
 
-A checkpoint is written into a hidden staging directory and renamed into place, then
+A checkpoint is written into its staging directory and renamed into place (SPA_agent/runs/checkpoint_dirs.py), then
 `latest_checkpointed_iteration.txt` is replaced atomically: an interrupted save never looks complete, and a
 killed run loses at most the steps since its last checkpoint. `actor/` is a Hugging Face directory (model +
 tokenizer, loadable with `from_pretrained`) plus `optimizer.pt`; `critic/` likewise (a token-classification
@@ -10,7 +10,6 @@ model with one label); `trainer_state.pt` holds the step, the env seed counters 
 from __future__ import annotations
 
 import random
-import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -18,16 +17,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from SPA_agent.atomic_io import write_text
+from SPA_agent.runs.atomic_io import write_text
+from SPA_agent.runs.checkpoint_dirs import publish, saved_steps, staging_dir, step_dir
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 TRAINER_STATE_FILE = "trainer_state.pt"
-STEP_DIR = re.compile(r"^global_step_(\d+)$")
 ROLES = ("actor", "critic")
-
-
-def step_dir(root: Path, step: int) -> Path:
-    return Path(root) / f"global_step_{step}"
 
 
 def rng_state() -> dict:
@@ -53,26 +48,15 @@ def save_checkpoint(root: Path, step: int, write_models: Callable[[Path], None],
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    target = step_dir(root, step)
-    staging = root / f".{target.name}.partial"
+    staging = staging_dir(root, step)
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     write_models(staging)
     torch.save({**trainer_state, "step": step, "rng": rng_state()}, staging / TRAINER_STATE_FILE)
-    if target.exists():
-        shutil.rmtree(target)
-    staging.rename(target)
+    target = publish(root, step)
     write_text(root / LATEST_FILE, f"{step}\n")
     prune(root, keep)
     return target
-
-
-def saved_steps(root: Path) -> list[int]:
-    """Steps of complete checkpoint directories under `root`, ascending."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    return sorted(int(m.group(1)) for p in root.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name)))
 
 
 def prune(root: Path, keep: dict[str, int | None]) -> None:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from verl.trainer.ppo import core_algos
 
-from SPA_agent.rewards import turn_ends
+from SPA_agent.rollout.rewards import turn_ends
 
 EPS = 1e-6
 

@@ -23,6 +23,7 @@ from verl.trainer.ppo import core_algos
 from verl.utils import torch_functional as verl_F
 from verl.workers.config import ActorConfig
 
+from SPA_agent.runs.lora import add_lora
 from SPA_agent.tiny import resolve_model_path
 from SPA_agent.trainer import local_models as lm
 from SPA_agent.trainer import lora
@@ -126,7 +127,7 @@ class LocalBackend:
         """The policy from `model.path`, wrapped with LoRA adapters when `model.lora_rank > 0`."""
         model_cfg = self.cfg.actor_rollout_ref.model
         actor = lm.load_actor(self.model_path, self.device, model_cfg.enable_gradient_checkpointing)
-        return lora.add_lora(actor, model_cfg, value_model=False)
+        return add_lora(actor, model_cfg, "actor_rollout_ref.model")
 
     def _load_critic(self) -> nn.Module:
         """The value model from `critic.model.path` (LoRA adapters when `critic.model.lora_rank > 0`); its value
@@ -136,7 +137,7 @@ class LocalBackend:
             torch.manual_seed(self.cfg.trainer.seed)
             critic = lm.load_critic(resolve_model_path(model_cfg.path), self.device,
                                     model_cfg.enable_gradient_checkpointing)
-            return lora.add_lora(critic, model_cfg, value_model=True)
+            return add_lora(critic, model_cfg, "critic.model", value_model=True)
 
     def _build_critic(self, cfg: DictConfig) -> Trainable:
         critic_cfg = cfg.critic

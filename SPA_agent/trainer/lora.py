@@ -1,7 +1,7 @@
 """LoRA adapters for the `local` backend's actor and critic (PEFT), configured with verl's keys.
 
-`<role>.model.lora_rank > 0` wraps the model in a PEFT LoRA model: the base weights are frozen and only the
-adapters (and, for the critic, the value head `score`) train. The reference policy is then the actor with its
+`<role>.model.lora_rank > 0` wraps the model in a PEFT LoRA model (`SPA_agent.runs.lora.add_lora`): the base
+weights are frozen and only the adapters (and, for the critic, the value head `score`) train. The reference policy is then the actor with its
 adapters disabled, so no second copy of the weights is held. Generation and evaluation see merged weights
 W + (lora_alpha / lora_rank) · B A, computed without touching W (`merged_state_dict`).
 
@@ -16,54 +16,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, ListConfig
 from torch import nn
 
 #: sub-directory of a role's checkpoint holding the PEFT adapter
 ADAPTER_DIR = "adapter"
-#: name of the value head of AutoModelForTokenClassification (trained in full, never adapted)
-VALUE_HEAD = "score"
 _ADAPTER_MARKERS = (".lora_A.", ".lora_B.", ".lora_embedding_A.", ".lora_embedding_B.", ".original_module.")
 
 
-def lora_rank(model_cfg: DictConfig) -> int:
-    """The role's LoRA rank (`<role>.model.lora_rank`, 0 or absent = full fine-tuning)."""
-    return int(model_cfg.get("lora_rank", 0) or 0)
-
-
 def is_lora(model: nn.Module) -> bool:
-    """Whether `model` is a PEFT model (built by `add_lora`)."""
+    """Whether `model` is a PEFT model (built by `SPA_agent.runs.lora.add_lora`)."""
     return hasattr(model, "disable_adapter") and hasattr(model, "get_base_model")
-
-
-def _names(value) -> str | list[str] | None:
-    if value is None or isinstance(value, str):
-        return value
-    return list(value) if isinstance(value, (list, tuple, ListConfig)) else value
-
-
-def add_lora(model: nn.Module, model_cfg: DictConfig, value_model: bool) -> nn.Module:
-    """Wrap `model` with LoRA adapters (`lora_rank`, `lora_alpha`, `target_modules`, `exclude_modules`, no bias)
-    when `lora_rank > 0`; otherwise return it unchanged.
-
-    A value model (`value_model=True`, a token-classification model) keeps its value head out of the adapted
-    modules and trains it in full (PEFT's modules_to_save for TOKEN_CLS).
-    """
-    rank = lora_rank(model_cfg)
-    if rank <= 0:
-        return model
-    from peft import LoraConfig, get_peft_model
-
-    exclude = _names(model_cfg.get("exclude_modules"))
-    if value_model:
-        exclude = [VALUE_HEAD, *([exclude] if isinstance(exclude, str) else exclude or [])]
-    config = LoraConfig(r=rank, lora_alpha=model_cfg.lora_alpha, target_modules=_names(model_cfg.target_modules),
-                        exclude_modules=exclude, bias="none", task_type="TOKEN_CLS" if value_model else "CAUSAL_LM")
-    try:
-        return get_peft_model(model, config)
-    except ValueError as err:  # e.g. a module name the model does not have: name our keys
-        key = "critic.model" if value_model else "actor_rollout_ref.model"
-        raise ValueError(f"{key}.target_modules / exclude_modules: {err}") from err
 
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:

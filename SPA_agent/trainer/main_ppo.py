@@ -23,23 +23,25 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from SPA_agent import run_identity
-from SPA_agent.atomic_io import write_text
-from SPA_agent.compile_cache import use_persistent_compile_cache
 from SPA_agent.config import CONFIG_DIR
-from SPA_agent.dir_lock import DirLock, check_unlocked, check_writable
 from SPA_agent.entry import apply_system_env, exit_on_interrupt, exit_on_user_error, load_tokenizer
-from SPA_agent.progress import quiet_library_progress
+from SPA_agent.runs import run_identity
+from SPA_agent.runs.atomic_io import write_text
+from SPA_agent.runs.compile_cache import use_persistent_compile_cache
+from SPA_agent.runs.dir_lock import DirLock, check_unlocked, check_writable
+from SPA_agent.runs.progress import quiet_library_progress
+from SPA_agent.runs.trainer_dir import TrainerDir
 
-#: config keys that do not change a run's content (the starting models enter its identity by checksum)
-IDENTITY_IGNORED = ("trainer.default_local_dir", "trainer.project_name", "trainer.experiment_name", "trainer.logger",
-                    "trainer.resume_mode", "trainer.save_freq", "trainer.max_actor_ckpt_to_keep",
-                    "trainer.max_critic_ckpt_to_keep", "model_path", "actor_rollout_ref.model.path",
-                    "critic.model.path", "system", "output_root", "data_gen", "evaluation", "trainer.diagnostics")
-#: what a run writes into trainer.default_local_dir (a fresh run removes these, and nothing else)
-OWNED_OUTPUTS = ("global_step_*", ".global_step_*.partial", "latest_checkpointed_iteration.txt", "metrics.jsonl",
-                 "config.yaml", "wandb", run_identity.IDENTITY_FILE)
-FRESH_HINT = "pass trainer.resume_mode=disable"
+#: a PPO run's directory: besides every trainer's outputs it writes the latest-step file and its config; config keys
+#: beyond every trainer's that do not change its content (the starting models enter its identity by checksum)
+RUN_DIR = TrainerDir.declare(
+    owned=("latest_checkpointed_iteration.txt", "config.yaml"),
+    ignored=("trainer.resume_mode", "trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep", "model_path",
+             "actor_rollout_ref.model.path", "critic.model.path", "system", "output_root", "data_gen", "evaluation",
+             "trainer.diagnostics"),
+    fresh_hint="pass trainer.resume_mode=disable")
+#: metrics of a step shown on its console line (trainer.logger contains console)
+CONSOLE_KEYS = ("critic/score/mean", "actor/pg_loss", "critic/vf_loss", "actor/entropy", "timing_s/step")
 OOM_ADVICE = (
     "out of GPU memory. Lower ppo_max_token_len_per_gpu and log_prob_max_token_len_per_gpu (token budgets of the "
     "update and log-prob/value micro-batches; micro_batch_size_per_gpu with use_dynamic_bsz=False), "
@@ -57,10 +59,10 @@ def seed_everything(seed: int) -> None:
 
 
 def run_identity_of(cfg: DictConfig) -> run_identity.RunIdentity:
-    """What determines a PPO run's content: the config minus IDENTITY_IGNORED, and the starting models. The
+    """What determines a PPO run's content: the config minus RUN_DIR.ignored, and the starting models. The
     number of steps counts only where a warmup ratio makes the LR schedule depend on it; otherwise a finished
     run may be continued to more steps."""
-    ignored = IDENTITY_IGNORED if _schedule_uses_total_steps(cfg) else (*IDENTITY_IGNORED, "trainer.total_training_steps")
+    ignored = RUN_DIR.ignored if _schedule_uses_total_steps(cfg) else (*RUN_DIR.ignored, "trainer.total_training_steps")
     inputs = {"model": run_identity.model_checksum(cfg.actor_rollout_ref.model.path)}
     if cfg.critic.model.path != cfg.actor_rollout_ref.model.path:
         inputs["critic model"] = run_identity.model_checksum(cfg.critic.model.path)
@@ -89,11 +91,11 @@ def load_backend(cfg: DictConfig, tokenizer):
 def build_trainer(cfg: DictConfig, lock: DirLock):
     """Check config, model and output directory, then build tokenizer, backend, agent proxy, logger and trainer
     (resumed when the directory holds a run of the same identity). Nothing is written before the checks."""
-    from SPA_agent.agent_proxy import LLMAgentProxy
+    from SPA_agent.rollout.agent_proxy import LLMAgentProxy
+    from SPA_agent.runs.metrics_logger import MetricsLogger
     from SPA_agent.trainer.config_checks import check_config
     from SPA_agent.trainer.diagnostics import Diagnostics
     from SPA_agent.trainer.ppo_trainer import PPOTrainer
-    from SPA_agent.trainer.tracking import MetricLogger
 
     check_config(cfg)
     output_dir = Path(cfg.trainer.default_local_dir)
@@ -101,8 +103,7 @@ def build_trainer(cfg: DictConfig, lock: DirLock):
     identity = run_identity_of(cfg)
     check_writable(output_dir)
     check_unlocked(output_dir)
-    resume = run_identity.check_run_dir(output_dir, identity, cfg.trainer.resume_mode == "auto", OWNED_OUTPUTS,
-                                        FRESH_HINT)
+    resume = RUN_DIR.resumable(output_dir, identity, cfg.trainer.resume_mode == "auto")
     seed_everything(cfg.trainer.seed)
     print(f"loading the models from {cfg.actor_rollout_ref.model.path} ({cfg.trainer.backend} backend)", flush=True)
     start = time.perf_counter()
@@ -111,10 +112,12 @@ def build_trainer(cfg: DictConfig, lock: DirLock):
     proxy = LLMAgentProxy(cfg, backend, tokenizer, mode=cfg.ctx_manager.mode, progress=True)
     lock.acquire()
     if not resume:
-        run_identity.reset_run_dir(output_dir, identity, OWNED_OUTPUTS)
+        RUN_DIR.reset(output_dir, identity)
     write_text(output_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     diagnostics = Diagnostics.for_proxy(cfg, backend, proxy)
-    trainer = PPOTrainer(cfg, backend, proxy, MetricLogger(cfg, output_dir), diagnostics)
+    logger = MetricsLogger(output_dir, cfg.trainer.logger, cfg.trainer.project_name, cfg.trainer.experiment_name,
+                           OmegaConf.to_container(cfg, resolve=True), CONSOLE_KEYS)
+    trainer = PPOTrainer(cfg, backend, proxy, logger, diagnostics)
     if resume:
         trainer.resume()
     return trainer

@@ -4,7 +4,7 @@ A rollout batch is (B, T), left padded. Two independent choices (verl's names):
 
 - the *plan* (`use_dynamic_bsz`): which rows share a micro-batch — consecutive groups of
   `*_micro_batch_size_per_gpu` rows, or bins of at most `*_max_token_len_per_gpu` real tokens (first-fit
-  decreasing, the SFT packer's `sft.packing.first_fit_decreasing`);
+  decreasing, `SPA_agent.runs.bin_packing`, as the SFT packer);
 - the *layout* (`use_remove_padding`): a micro-batch runs either as its padded (b, T) rows or as one packed row
   (1, L) of the rows' real tokens back to back, each keeping its own `position_ids`.
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from sft.packing import first_fit_decreasing
+from SPA_agent.runs.bin_packing import first_fit_decreasing
 
 #: name of the attention function in transformers' AttentionInterface
 PACKED_ATTENTION = "spa_packed_sdpa"

@@ -28,18 +28,19 @@ from tqdm.auto import tqdm
 from verl import DataProto
 from verl.trainer.ppo import core_algos
 
-from SPA_agent.progress import plain_line, progress_bar
+from SPA_agent.runs import checkpoint_dirs
+from SPA_agent.runs.metrics_logger import MetricsLogger
+from SPA_agent.runs.progress import plain_line, progress_bar
 from SPA_agent.trainer import algos, checkpoint
 from SPA_agent.trainer.backend import WorkerGroup
 from SPA_agent.trainer.diagnostics import Diagnostics
 from SPA_agent.trainer.metrics import PhaseTimer, data_metrics, mean_metrics, prefixed
-from SPA_agent.trainer.tracking import MetricLogger
 
 
 class PPOTrainer:
     """Owns the loop; the backend owns the models, the proxy owns the environments."""
 
-    def __init__(self, cfg: DictConfig, backend: WorkerGroup, proxy, logger: MetricLogger,
+    def __init__(self, cfg: DictConfig, backend: WorkerGroup, proxy, logger: MetricsLogger,
                  diagnostics: Diagnostics | None = None):
         """`diagnostics`: the RL-health metrics to log (main_ppo builds them; None logs none)."""
         self.cfg, self.backend, self.proxy, self.logger = cfg, backend, proxy, logger
@@ -182,7 +183,7 @@ class PPOTrainer:
         if step is None:  # stopped before its first checkpoint: the run starts over and logs step 0 again
             self.logger.truncate_after(-1)
             return 0
-        self.backend.load(checkpoint.step_dir(self.output_dir, step))
+        self.backend.load(checkpoint_dirs.step_dir(self.output_dir, step))
         state = checkpoint.load_trainer_state(self.output_dir, step)
         self.proxy.load_state_dict(state["proxy"])
         self.kl_ctrl.value = state["kl_coef"]
@@ -190,7 +191,7 @@ class PPOTrainer:
         checkpoint.set_rng_state(state["rng"])
         self.global_step = step
         self.logger.truncate_after(step)
-        tqdm.write(f"resumed from {checkpoint.step_dir(self.output_dir, step)}")
+        tqdm.write(f"resumed from {checkpoint_dirs.step_dir(self.output_dir, step)}")
         return step
 
 

@@ -14,8 +14,8 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-from SPA_agent.ctx_manager import ContextManager
-from SPA_agent.es_manager import EnvStateManager
+from SPA_agent.rollout.ctx_manager import ContextManager
+from SPA_agent.rollout.es_manager import EnvStateManager
 
 
 def single_env_config(config: Mapping, tag: str) -> dict:

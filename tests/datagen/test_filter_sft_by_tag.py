@@ -11,7 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from sft.filter_sft_by_tag import filter_dir, filter_table, has_worldmodel_format, main
+from sft.filter_sft_by_tag import filter_dir, filter_table, main
+from SPA_agent.worldmodel import has_worldmodel_format
 
 GOOD = "<think> <observation>S0</observation> push <prediction>S1</prediction></think><answer>Up</answer>"
 

@@ -114,7 +114,7 @@ class Interrupt(Exception):
 
 
 def test_interrupted_run_leaves_no_complete_looking_output_and_resumes(tmp_path, monkeypatch):
-    from SPA_agent.agent_proxy import LLMAgentProxy
+    from SPA_agent.rollout.agent_proxy import LLMAgentProxy
 
     out = tmp_path / "data"
     cfg = data_gen_config("_2_sokoban", out, "generator=random", num_batches=2)

@@ -1,4 +1,4 @@
-"""Validation curves with bootstrap intervals over episodes (SPA_agent/learning_curves.py) and their plot."""
+"""Validation curves with bootstrap intervals over episodes (SPA_agent/evaluation/learning_curves.py) and their plot."""
 
 from __future__ import annotations
 
@@ -6,7 +6,12 @@ import json
 
 import pytest
 
-from SPA_agent.learning_curves import curve_from_records, episode_interval, intervals_overlap, load_curve
+from SPA_agent.evaluation.learning_curves import (
+    curve_from_records,
+    episode_interval,
+    intervals_overlap,
+    load_curve,
+)
 from SPA_agent.plots import plot_arms
 
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from SPA_agent.passk import bootstrap_ci, mean_pass_at_k, pass_any, pass_at_k, passk_summary
+from SPA_agent.evaluation.passk import bootstrap_ci, mean_pass_at_k, pass_any, pass_at_k, passk_summary
 
 
 def enumerated_pass_at_k(n: int, c: int, k: int) -> float:

@@ -159,7 +159,7 @@ def test_a_redirected_decode_prints_a_heartbeat_and_decodes_the_same(tiny_model,
                                                                       monkeypatch, capsys):
     """With progress on and stderr redirected, transformers' generate prints a plain line every HEARTBEAT_S
     seconds (here 0: every step); the tokens are those of a silent run."""
-    from SPA_agent import progress
+    from SPA_agent.runs import progress
 
     prompts = prompts_of_lengths([1, 2])
     sampling = SamplingParams(temperature=1.0, max_new_tokens=3, seed=5)

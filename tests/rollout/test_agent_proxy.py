@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from SPA_agent.agent_proxy import LLMAgentProxy
 from SPA_agent.generators import build_generator
+from SPA_agent.rollout.agent_proxy import LLMAgentProxy
 
 ENTRY_CONFIGS = ["_2_sokoban", "_3_frozen_lake", "_10_sudoku"]
 TAGS = {"_2_sokoban": "SimpleSokoban", "_3_frozen_lake": "FrozenLake", "_10_sudoku": "Sudoku"}

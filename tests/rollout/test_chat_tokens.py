@@ -3,7 +3,7 @@ tests/rollout/test_qwen3_template.py)."""
 
 import pytest
 
-from SPA_agent.chat_tokens import CONTEXT, SAMPLED, SYSTEM, AssistantTurn, ChatTokenizer
+from SPA_agent.rollout.chat_tokens import CONTEXT, SAMPLED, SYSTEM, AssistantTurn, ChatTokenizer
 
 MESSAGES = [
     {"role": "system", "content": "You're a helpful assistant. "},

@@ -4,7 +4,7 @@ ChatML, a Llama-3-style and a Qwen3-style template: column j of the (B, T-1) ten
 import pytest
 import torch
 
-from SPA_agent.ctx_manager import ContextManager
+from SPA_agent.rollout.ctx_manager import ContextManager
 
 
 def _trajectory(tok):

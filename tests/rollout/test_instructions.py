@@ -8,8 +8,8 @@ import re
 import pytest
 
 from SPA_agent.config import compose
-from SPA_agent.ctx_manager import ContextManager
 from SPA_agent.envs import REGISTRY
+from SPA_agent.rollout.ctx_manager import ContextManager
 from SPA_agent.worldmodel import extract_states, parse_state
 
 COORDINATE_PAIR = re.compile(r"\(\d+,\d+\)")

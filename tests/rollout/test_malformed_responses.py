@@ -1,8 +1,8 @@
 """A rollout survives what a model may write (issue 12): the response goes through the real loop (prompt,
 parse, EnvStateManager.step, batch), only the generator is a fixed script."""
 
-from SPA_agent.agent_proxy import LLMAgentProxy
 from SPA_agent.generators.base import FINISH_STOP, Generation
+from SPA_agent.rollout.agent_proxy import LLMAgentProxy
 
 
 class FixedResponse:

@@ -1,7 +1,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from SPA_agent.parsing import parse_response
+from SPA_agent.rollout.parsing import parse_response
 
 
 def test_base_match_normalizes_and_splits_actions():

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from SPA_agent.parsing import ParsedResponse, parse_response, split_actions, strip_tags
+from SPA_agent.rollout.parsing import ParsedResponse, parse_response, split_actions, strip_tags
 
 # --- the former parser (oracle) ---------------------------------------------------------------------------
 BASE_PATTERN = re.compile(r"<think>(.*?)</think>\s*<answer>(.*?)</answer>", re.DOTALL)

@@ -4,8 +4,8 @@ roles, and token in, token out through the context manager, as for ChatML and Ll
 
 import pytest
 
-from SPA_agent.chat_tokens import CONTEXT, SAMPLED, SYSTEM, AssistantTurn, ChatTokenizer
-from SPA_agent.ctx_manager import ContextManager
+from SPA_agent.rollout.chat_tokens import CONTEXT, SAMPLED, SYSTEM, AssistantTurn, ChatTokenizer
+from SPA_agent.rollout.ctx_manager import ContextManager
 
 MESSAGES = [
     {"role": "system", "content": "You're a helpful assistant. "},

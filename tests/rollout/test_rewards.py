@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from SPA_agent.rewards import normalize_scores
+from SPA_agent.rollout.rewards import normalize_scores
 
 SCORES = torch.tensor([1.0, 3.0, 2.0, 2.0, 5.0])
 GROUPS = [0, 0, 1, 1, 2]

@@ -147,7 +147,7 @@ def quiet_libraries():
     from huggingface_hub.utils import enable_progress_bars
     from transformers.utils import logging
 
-    from SPA_agent.progress import quiet_library_progress
+    from SPA_agent.runs.progress import quiet_library_progress
 
     quiet_library_progress()
     yield

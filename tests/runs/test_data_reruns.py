@@ -10,10 +10,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from SPA_agent.config import compose
-from SPA_agent.datagen_card import CARD_FILE, PARTIAL_DIR, check_dataset_complete
-from SPA_agent.dir_lock import LOCK_FILE, DirectoryLockedError, UnwritableDirectoryError
 from SPA_agent.generate_sft_data import DATA_FILES, generate, prepare_data_gen_config
-from SPA_agent.run_identity import IDENTITY_FILE, RunMismatchError
+from SPA_agent.runs.dir_lock import LOCK_FILE, DirectoryLockedError, UnwritableDirectoryError
+from SPA_agent.runs.run_identity import IDENTITY_FILE, RunMismatchError
+from SPA_agent.selfplay.data_card import CARD_FILE, PARTIAL_DIR, check_dataset_complete
 
 SMALL = ["model=tiny", "generator=random", "agent_proxy.max_turn=2", "actor_rollout_ref.rollout.response_length=8",
          "es_manager.train.env_groups=2", "es_manager.train.group_size=2", "es_manager.train.env_configs.n_groups=[2]"]
@@ -73,7 +73,7 @@ def test_failing_rerun_leaves_the_complete_dataset_untouched(dataset):
 def test_interrupted_fresh_rerun_keeps_the_old_dataset_and_sft_refuses_it(dataset, tmp_path, monkeypatch):
     import shutil
 
-    from SPA_agent.agent_proxy import LLMAgentProxy
+    from SPA_agent.rollout.agent_proxy import LLMAgentProxy
 
     out = tmp_path / "data"
     shutil.copytree(dataset, out)

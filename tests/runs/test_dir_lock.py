@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from SPA_agent.dir_lock import (
+from SPA_agent.runs.dir_lock import (
     LOCK_FILE,
     DirectoryLockedError,
     DirLock,
@@ -50,7 +50,7 @@ def test_live_lock_refuses_with_one_line_naming_the_owner(tmp_path):
 
 def test_a_second_process_cannot_take_a_held_lock(tmp_path):
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from SPA_agent.dir_lock import DirLock; "
+        [sys.executable, "-c", "import sys; from SPA_agent.runs.dir_lock import DirLock; "
          f"lock = DirLock({str(tmp_path)!r}).acquire(); print('held', flush=True); sys.stdin.read()"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from SPA_agent import run_identity
 from SPA_agent.config import compose
-from SPA_agent.dir_lock import LOCK_FILE, DirectoryLockedError, UnwritableDirectoryError
+from SPA_agent.runs import checkpoint_dirs, run_identity
+from SPA_agent.runs.dir_lock import LOCK_FILE, DirectoryLockedError, UnwritableDirectoryError
+from SPA_agent.runs.metrics_logger import MetricsLogger, read_metrics
 from SPA_agent.tiny import tiny_model_dir
-from SPA_agent.trainer.main_ppo import OWNED_OUTPUTS, run, run_identity_of
-from SPA_agent.trainer.tracking import MetricLogger, read_metrics
+from SPA_agent.trainer.main_ppo import RUN_DIR, run, run_identity_of
 
 TINY = ["model=tiny", "es_manager.train.env_groups=2", "es_manager.train.env_configs.n_groups=[2]",
         "ppo_mini_batch_size=2", "trainer.total_training_steps=1", "trainer.test_freq=0"]
@@ -83,9 +83,9 @@ def test_a_live_writer_or_an_unwritable_directory_is_refused(finished_run, tmp_p
 
 def test_fresh_run_removes_only_the_stage_outputs(finished_run):
     (finished_run / "notes.md").write_text("mine")
-    (finished_run / ".global_step_2.partial").mkdir()
+    checkpoint_dirs.staging_dir(finished_run, 2).mkdir()
     identity = run_identity_of(config(finished_run, "actor_rollout_ref.actor.optim.lr=1e-5"))
-    run_identity.reset_run_dir(finished_run, identity, OWNED_OUTPUTS)
+    RUN_DIR.reset(finished_run, identity)
     assert sorted(p.name for p in finished_run.iterdir()) == ["notes.md", run_identity.IDENTITY_FILE]
     assert run_identity.check(finished_run, identity, "x")
 
@@ -102,7 +102,7 @@ def test_cut_short_last_metrics_line_is_dropped_on_resume(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "a": 1.0}\n{"step": 2, "a": 2.0}\n{"step": 3, "a"')
     assert [r["step"] for r in read_metrics(path)] == [1, 2]
-    logger = MetricLogger(config(tmp_path, "trainer.logger=[]"), tmp_path)
+    logger = MetricsLogger(tmp_path, [], "project", "experiment", {})
     logger.truncate_after(2)
     logger.log({"a": 3.0}, step=3)
     assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]

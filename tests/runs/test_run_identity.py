@@ -2,7 +2,7 @@
 
 import pytest
 
-from SPA_agent import run_identity as ri
+from SPA_agent.runs import run_identity as ri
 
 
 def _identity(lr=1e-4, data="abc", logger=("console",)):

@@ -22,8 +22,8 @@ from sft import in_process  # noqa: E402
 from sft.in_process import run  # noqa: E402
 from sft.spa_sft_dataset import read_rows  # noqa: E402
 from sft.spa_sft_trainer import SftTrainer  # noqa: E402
-from SPA_agent.dir_lock import LOCK_FILE, DirectoryLockedError  # noqa: E402
-from SPA_agent.run_identity import IDENTITY_FILE, RunMismatchError  # noqa: E402
+from SPA_agent.runs.dir_lock import LOCK_FILE, DirectoryLockedError  # noqa: E402
+from SPA_agent.runs.run_identity import IDENTITY_FILE, RunMismatchError  # noqa: E402
 
 
 def compose(data_dir: Path, out_dir: Path, *extra: str):

@@ -1,10 +1,9 @@
-"""benchmarks/spa_arms.py (issue 13's three arms) end to end at CPU sizes on the tiny model: every stage, the
+"""python -m SPA_agent.spa_arms (issue 13's three arms) end to end at CPU sizes on the tiny model: every stage, the
 report's columns, the control arm's data, a rerun that skips everything, status lines and refused settings; then a
 second experiment --from the first that runs only PPO from its SFT checkpoints."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shlex
@@ -16,7 +15,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from SPA_agent.spa_arms.experiment import Experiment, Job, run_jobs
+from SPA_agent.spa_arms.report import _worldmodel_cell, job_state, worldmodel_exact
+from SPA_agent.spa_arms.settings import Settings, StageError
+
 ARMS = ("spa", "nowm", "released")
 TINY = [
     "--model", "tiny", "--data-batches", "1", "--ppo-steps", "1", "--test-freq", "1", "--save-freq", "1",
@@ -29,7 +31,7 @@ TINY = [
 
 
 def arms(stage, out, *args):
-    return subprocess.run([sys.executable, str(REPO / "benchmarks/spa_arms.py"), stage, "--out", str(out), *args],
+    return subprocess.run([sys.executable, "-m", "SPA_agent.spa_arms", stage, "--out", str(out), *args],
                           capture_output=True, text=True, check=False, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
@@ -150,35 +152,26 @@ def test_from_runs_only_ppo_from_the_earlier_experiments_sft(experiment):
     assert "from_dir ('../arms' -> '../b')" in refused(new, "--from", str(base / "b"))  # --from cannot change
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("spa_arms", REPO / "benchmarks/spa_arms.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("spa_arms", module)  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_jobs_run_in_parallel_on_their_devices_and_a_failure_is_reported_after_all_ended(tmp_path):
-    script = _load_script()
-    exp = script.Experiment(tmp_path, script.Settings(max_parallel=2, devices="3,5"))
+    exp = Experiment(tmp_path, Settings(max_parallel=2, devices="3,5"))
     show = "import os, sys; print(os.environ['CUDA_VISIBLE_DEVICES']); sys.exit({})"
-    jobs = [script.Job(name, [sys.executable, "-c", show.format(rc)], lambda: False)
+    jobs = [Job(name, [sys.executable, "-c", show.format(rc)], lambda: False)
             for name, rc in (("a", 0), ("b", 1), ("c", 0))]
-    with pytest.raises(script.StageError, match="^b failed"):
-        script.run_jobs(exp, jobs)
+    with pytest.raises(StageError, match="^b failed"):
+        run_jobs(exp, jobs)
     logs = {name: (tmp_path / f"logs/{name}.log").read_text().splitlines()[-1] for name in "abc"}
     assert logs == {"a": "3", "b": "5", "c": "3"}
     assert {name: (tmp_path / f"logs/{name}.rc").read_text() for name in "abc"} == {"a": "0", "b": "1", "c": "0"}
-    assert [script.job_state(exp, name) for name in "ab"] == ["exited 0", f"failed (exit 1, {tmp_path}/logs/b.log)"]
+    assert [job_state(exp, name) for name in "ab"] == ["exited 0", f"failed (exit 1, {tmp_path}/logs/b.log)"]
 
 
 def test_wm_stage_evaluates_the_last_saved_actor_of_an_unfinished_run(tmp_path):
     """A run that a lease ended before its last step: `all` (beside PPO) leaves it alone, the wm stage evaluates its
     last saved actor, and the report names that step."""
-    from SPA_agent.trainer.checkpoint import LATEST_FILE, TRAINER_STATE_FILE, step_dir
+    from SPA_agent.runs.checkpoint_dirs import step_dir
+    from SPA_agent.trainer.checkpoint import LATEST_FILE, TRAINER_STATE_FILE
 
-    script = _load_script()
-    exp = script.Experiment(tmp_path, script.Settings(arms=("spa",), ppo_steps=10))
+    exp = Experiment(tmp_path, Settings(arms=("spa",), ppo_steps=10))
     run = exp.ppo_dir("spa")
     step_dir(run, 3).mkdir(parents=True)
     (step_dir(run, 3) / TRAINER_STATE_FILE).write_bytes(b"")
@@ -190,7 +183,7 @@ def test_wm_stage_evaluates_the_last_saved_actor_of_an_unfinished_run(tmp_path):
 
     result = {"model_path": str(run / "global_step_3" / "actor"), "metrics": {"SimpleSokoban": {
         "worldmodel/format_rate": 1.0, "worldmodel/observation_exact": 0.5, "worldmodel/prediction_exact": 0.25}}}
-    wm = script.worldmodel_exact(result)
+    wm = worldmodel_exact(result)
     assert wm == {"format": 1.0, "observation": 0.5, "prediction": 0.25, "step": 3}
-    assert script._worldmodel_cell(wm, with_step=True) == "obs 0.500 / pred 0.250 (format 1.000, step 3)"
-    assert script.worldmodel_exact(None)["step"] is None
+    assert _worldmodel_cell(wm, with_step=True) == "obs 0.500 / pred 0.250 (format 1.000, step 3)"
+    assert worldmodel_exact(None)["step"] is None

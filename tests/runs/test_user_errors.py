@@ -10,12 +10,12 @@ import pytest
 
 from sft.filter_sft_by_tag import main as filter_main
 from SPA_agent.config import compose
-from SPA_agent.datagen_card import CARD_FILE, check_dataset_complete
-from SPA_agent.dir_lock import UnwritableDirectoryError
 from SPA_agent.evaluate import evaluate, prepare_eval_config
 from SPA_agent.generators.api import APIGenerator
-from SPA_agent.progress import progress_bar
 from SPA_agent.report import main as report_main
+from SPA_agent.runs.dir_lock import UnwritableDirectoryError
+from SPA_agent.runs.progress import progress_bar
+from SPA_agent.selfplay.data_card import CARD_FILE, check_dataset_complete
 
 SMALL = ["model=tiny", "++evaluation.n=2", "++evaluation.k=[1,2]", "++evaluation.num_puzzles=2",
          "agent_proxy.max_turn=3", "actor_rollout_ref.rollout.response_length=8", "++evaluation.repeats=2"]

@@ -53,11 +53,11 @@ def test_a_run_may_resume_with_the_switch_flipped():
     """Same loss, other kernels: model.use_liger is not part of the run identity (attn_implementation is)."""
     from omegaconf import OmegaConf
 
-    from sft.spa_sft_trainer import IDENTITY_IGNORED
-    from SPA_agent.run_identity import build_identity
+    from sft.spa_sft_trainer import RUN_DIR
+    from SPA_agent.runs.run_identity import build_identity
 
     identity = lambda *o: build_identity(OmegaConf.to_container(compose(["data.train_files=x", *o])), {},
-                                         IDENTITY_IGNORED).config
+                                         RUN_DIR.ignored).config
     assert identity("model.use_liger=true") == identity("model.use_liger=false")
     assert identity("model.attn_implementation=sdpa") != identity("model.attn_implementation=eager")
 
@@ -205,22 +205,21 @@ def test_an_empty_micro_batch_gives_zero_loss_and_gradients(tiny_model_copy):
 @GPU_AND_LIGER
 def test_fused_loss_with_lora_equals_the_plain_path(tiny_dir, restore_transformers_modules):
     """Liger patches the base model, PEFT wraps it (the trainer's order): the adapters get the same gradients."""
-    from types import SimpleNamespace
-
+    from omegaconf import OmegaConf
     from transformers import AutoModelForCausalLM
 
-    from sft.fsdp_model import add_lora
     from sft.liger import apply_liger, fused_token_loss_sum
+    from SPA_agent.runs.lora import add_lora
 
     batch = {k: v.cuda() for k, v in collate_packed(_samples(), pad_id=0).items()}
-    lora = SimpleNamespace(lora_rank=4, lora_alpha=8, target_modules="all-linear")
+    lora = OmegaConf.create({"lora_rank": 4, "lora_alpha": 8, "target_modules": "all-linear"})
     results = []
     for liger in (False, True):
         model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
         if liger:
             apply_liger(model)
         torch.manual_seed(0)  # same adapter initialisation
-        model = add_lora(model, lora).cuda()
+        model = add_lora(model, lora, "model").cuda()
         with torch.no_grad():  # B starts at zero: make the adapters matter
             for name, param in model.named_parameters():
                 if "lora_B" in name:

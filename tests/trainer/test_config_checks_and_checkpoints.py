@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from SPA_agent.config import ENTRY_CONFIGS, compose
+from SPA_agent.runs import checkpoint_dirs
 from SPA_agent.trainer import checkpoint
 from SPA_agent.trainer.config_checks import check_config
 
@@ -48,7 +49,7 @@ def test_checkpoints_are_renamed_into_place_and_pruned(tmp_path):
         checkpoint.save_checkpoint(tmp_path, step, _write_models, {"proxy": {"train": {"seed_counter": step}}},
                                    keep={"actor": 1, "critic": 2})
     assert checkpoint.latest_step(tmp_path) == 3
-    assert checkpoint.saved_steps(tmp_path) == [2, 3]
+    assert checkpoint_dirs.saved_steps(tmp_path) == [2, 3]
     assert not (tmp_path / "global_step_2" / "actor").exists()
     assert (tmp_path / "global_step_2" / "critic").exists()
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir() if p.is_dir())
@@ -66,7 +67,7 @@ def test_interrupted_save_leaves_the_previous_checkpoint_latest(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         checkpoint.save_checkpoint(tmp_path, 2, crash, {}, keep={"actor": 1, "critic": 1})
     assert checkpoint.latest_step(tmp_path) == 1
-    assert checkpoint.saved_steps(tmp_path) == [1]
+    assert checkpoint_dirs.saved_steps(tmp_path) == [1]
 
 
 def test_rng_state_round_trips():
@@ -85,11 +86,11 @@ def test_latest_file_pointing_at_a_missing_checkpoint_is_an_error(tmp_path):
 def test_a_rerun_before_the_first_checkpoint_logs_step_0_once(ppo_config, tmp_path):
     """Killed after the step-0 validation line but before any checkpoint, a RESUME=1 rerun starts over: resume()
     drops that line, which fit() writes again."""
+    from SPA_agent.runs.metrics_logger import MetricsLogger, read_metrics
     from SPA_agent.trainer.ppo_trainer import PPOTrainer
-    from SPA_agent.trainer.tracking import MetricLogger, read_metrics
 
     cfg = ppo_config("_2_sokoban", "trainer.resume_mode=auto")
-    logger = MetricLogger(cfg, tmp_path / "run")
+    logger = MetricsLogger(tmp_path / "run", [], "project", "experiment", {})
     logger.log({"val-env/SimpleSokoban/success": 0.5}, step=0)
     trainer = PPOTrainer(cfg, backend=None, proxy=None, logger=logger)
     assert trainer.resume() == 0 and read_metrics(logger.path) == []

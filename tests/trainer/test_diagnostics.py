@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from SPA_agent.agent_proxy import LLMAgentProxy
-from SPA_agent.chat_tokens import ChatTokenizer
 from SPA_agent.generators.base import FINISH_STOP, Generation, Prompt
 from SPA_agent.plots import plot_diagnostics
+from SPA_agent.rollout.agent_proxy import LLMAgentProxy
+from SPA_agent.rollout.chat_tokens import ChatTokenizer
 from SPA_agent.trainer import input_dependence as dep
 from SPA_agent.trainer.diagnostics import (
     Diagnostics,

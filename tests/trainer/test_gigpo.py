@@ -9,10 +9,10 @@ import pytest
 import torch
 from turn_spans import turn_spans
 
+from SPA_agent.runs.metrics_logger import read_metrics
 from SPA_agent.trainer import algos
 from SPA_agent.trainer.gigpo import discounted_returns, gigpo_advantages, step_advantages
 from SPA_agent.trainer.main_ppo import run
-from SPA_agent.trainer.tracking import read_metrics
 
 #: group 0: three trajectories that all start in state A; trajectories 0 and 2 both reach B, 1 reaches C.
 #: group 1: one trajectory in state A too, which must not join group 0's step group.

@@ -10,11 +10,11 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
+from SPA_agent.runs.metrics_logger import read_metrics
 from SPA_agent.trainer import local_models as lm
 from SPA_agent.trainer import lora
 from SPA_agent.trainer.local_backend import LocalBackend
 from SPA_agent.trainer.main_ppo import run
-from SPA_agent.trainer.tracking import read_metrics
 
 #: LoRA on actor and critic, a learning rate that moves the adapters visibly in one step
 LORA = ("actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8", "critic.model.lora_rank=4",

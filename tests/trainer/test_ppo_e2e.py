@@ -11,11 +11,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from SPA_agent.dir_lock import DirLock
 from SPA_agent.plots import plot_dir
+from SPA_agent.runs import checkpoint_dirs
+from SPA_agent.runs.dir_lock import DirLock
+from SPA_agent.runs.metrics_logger import read_metrics
 from SPA_agent.trainer import checkpoint
 from SPA_agent.trainer.main_ppo import build_trainer, run
-from SPA_agent.trainer.tracking import read_metrics
 
 TRAIN_KEYS = (
     "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower", "actor/entropy",
@@ -87,7 +88,7 @@ def test_sokoban_run_resumes_from_saved_step_with_the_same_seeds(ppo_config):
     overrides = ("actor_rollout_ref.model.enable_gradient_checkpointing=True",
                  "critic.model.enable_gradient_checkpointing=True", "trainer.save_freq=1", "trainer.test_freq=0")
     output = run(ppo_config("_2_sokoban", "trainer.total_training_steps=1", *overrides))
-    assert checkpoint.saved_steps(output) == [1]
+    assert checkpoint_dirs.saved_steps(output) == [1]
     lock = DirLock(output)  # build_trainer takes it once its checks pass
     try:
         trainer = build_trainer(ppo_config("_2_sokoban", "trainer.total_training_steps=2", *overrides), lock)
@@ -98,7 +99,7 @@ def test_sokoban_run_resumes_from_saved_step_with_the_same_seeds(ppo_config):
     records = _check_run(output, "SimpleSokoban", [1, 2])
     # Train seeds are seed.train + env_groups·k + g: the resumed step 2 draws rollout k = 1, not k = 0 again.
     assert [r["rollout/first_seed"] for r in records] == [10000, 10002]
-    assert checkpoint.saved_steps(output) == [2]  # max_*_ckpt_to_keep = 1
+    assert checkpoint_dirs.saved_steps(output) == [2]  # max_*_ckpt_to_keep = 1
 
 
 @pytest.mark.slow

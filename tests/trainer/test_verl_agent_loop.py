@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from SPA_agent.agent_proxy import LLMAgentProxy
 from SPA_agent.config import compose
 from SPA_agent.generators import build_generator
+from SPA_agent.rollout.agent_proxy import LLMAgentProxy
 from SPA_agent.trainer.verl_episode import Episode, check_supported
 
 

@@ -12,9 +12,9 @@ import torch
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.utils.losses import ppo_loss, value_loss
 
-from SPA_agent.agent_proxy import LLMAgentProxy
 from SPA_agent.config import compose
 from SPA_agent.generators import build_generator
+from SPA_agent.rollout.agent_proxy import LLMAgentProxy
 from SPA_agent.trainer import local_backend, verl_config, verl_layout
 from SPA_agent.trainer import local_models as lm
 from SPA_agent.trainer.backend import build_backend

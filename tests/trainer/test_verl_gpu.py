@@ -12,9 +12,9 @@ import importlib.util
 import pytest
 import torch
 
-from SPA_agent.agent_proxy import LLMAgentProxy
 from SPA_agent.config import compose
 from SPA_agent.generators import build_generator
+from SPA_agent.rollout.agent_proxy import LLMAgentProxy
 from SPA_agent.trainer import algos
 
 pytestmark = [

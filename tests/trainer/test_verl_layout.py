@@ -6,8 +6,8 @@ import pytest
 import torch
 from verl import DataProto
 
-from SPA_agent.agent_proxy import LLMAgentProxy
 from SPA_agent.generators import build_generator
+from SPA_agent.rollout.agent_proxy import LLMAgentProxy
 from SPA_agent.trainer import local_models as lm
 from SPA_agent.trainer import verl_layout as vl
 

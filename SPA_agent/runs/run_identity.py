@@ -21,7 +21,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from SPA_agent import atomic_io
+from SPA_agent.runs import atomic_io
 
 IDENTITY_FILE = "run_identity.json"
 #: files at most this large are hashed whole; larger ones by size and their first and last SAMPLE_BYTES

@@ -13,11 +13,11 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from SPA_agent.chat_tokens import SAMPLED, SYSTEM, AssistantTurn, ChatTokenizer
 from SPA_agent.envs import REGISTRY
-from SPA_agent.es_manager import EnvInput
-from SPA_agent.parsing import MODES, parse_response, response_format
-from SPA_agent.rewards import normalize_scores, turn_ends
+from SPA_agent.rollout.chat_tokens import SAMPLED, SYSTEM, AssistantTurn, ChatTokenizer
+from SPA_agent.rollout.es_manager import EnvInput
+from SPA_agent.rollout.parsing import MODES, parse_response, response_format
+from SPA_agent.rollout.rewards import normalize_scores, turn_ends
 
 SYSTEM_PROMPT = "You're a helpful assistant. "
 

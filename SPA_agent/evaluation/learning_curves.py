@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 from omegaconf import OmegaConf
 
-from SPA_agent.metrics_file import read_records
-from SPA_agent.passk import bootstrap_ci
+from SPA_agent.evaluation.passk import bootstrap_ci
+from SPA_agent.runs.metrics_file import read_records
 
 SUCCESS_KEY = re.compile(r"^val-env/(?P<tag>[^/]+)/success$")
 ENTROPY_KEY = "actor/entropy"

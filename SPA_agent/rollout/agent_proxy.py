@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 from verl import DataProto
 
-from SPA_agent.ctx_manager import ContextManager
-from SPA_agent.es_manager import EnvStateManager, check_env_groups
 from SPA_agent.generators.base import FINISH_STOP, Generator, Prompt
-from SPA_agent.progress import progress_bar
+from SPA_agent.rollout.ctx_manager import ContextManager
+from SPA_agent.rollout.es_manager import EnvStateManager, check_env_groups
+from SPA_agent.runs.progress import progress_bar
 
 
 @dataclass

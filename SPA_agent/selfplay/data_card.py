@@ -11,8 +11,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from SPA_agent.dir_lock import check_unlocked
-from SPA_agent.worldmodel import ACCURACY_KEYS, extract_states, turn_accuracy
+from SPA_agent.runs.dir_lock import check_unlocked
+from SPA_agent.worldmodel import ACCURACY_KEYS, extract_states, has_worldmodel_format, turn_accuracy
 
 CARD_FILE = "data_card.json"  # written last: its presence marks a complete dataset
 PARTIAL_DIR = ".partial"  # batch shards of an unfinished generation
@@ -82,8 +82,6 @@ class BatchStats:
         return total
 
     def add_turn(self, response: str, format_ok: bool, before: str, after: str) -> None:
-        from sft.filter_sft_by_tag import has_worldmodel_format
-
         self.turns += 1
         self.turns_worldmodel_format += bool(format_ok)
         self.turns_with_states += any(extract_states(response))
