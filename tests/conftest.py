@@ -130,12 +130,3 @@ def tiny_config():
         return compose(config_name, ["model=tiny", *overrides])
 
     return make
-
-
-#: SmolLM2-135M-Instruct's chat template, as its GGUF file holds it: a default system message when none is given
-SMOLLM2_TEMPLATE = (
-    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n' }}"
-    "{% endif %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import SMOLLM2_TEMPLATE
+from smollm2_template import SMOLLM2_TEMPLATE
 
 from SPA_agent import smollm2
 from SPA_agent.model_cache import MARKER_FILE
