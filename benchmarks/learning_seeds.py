@@ -3,7 +3,8 @@
     python benchmarks/learning_seeds.py --out seeds --estimators gae dapo --seeds 0 1 2 3 4 --threads 1 2
 
 Makes the test's SFT checkpoint once (in --out), then runs the test's PPO for every estimator × seed × thread count,
-each in its own process (`trainer.seed`, `torch.set_num_threads`), and prints the validation success by step and
+each in its own process (`trainer.seed` and `generator.seed`: the critic's initialisation and the sampling;
+`torch.set_num_threads`), and prints the validation success by step and
 whether it reached the test's target, then a markdown table (docs/ppo.md "Seed table"). Runs already in --out are
 read back, not rerun.
 """
@@ -58,7 +59,7 @@ def main() -> None:
                 curve = curve_of(run_dir)
                 if not curve:
                     overrides = [f"model_path={checkpoint}", *VARIANTS[estimator], f"trainer.seed={seed}",
-                                 f"trainer.default_local_dir={run_dir}"]
+                                 f"generator.seed={seed}",                                  f"trainer.default_local_dir={run_dir}"]
                     done = subprocess.run([sys.executable, "-c", PPO_RUN, str(threads), CONFIG, *overrides],
                                           capture_output=True, text=True, cwd=REPO)
                     curve = curve_of(run_dir)
