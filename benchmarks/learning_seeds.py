@@ -59,7 +59,7 @@ def main() -> None:
                 curve = curve_of(run_dir)
                 if not curve:
                     overrides = [f"model_path={checkpoint}", *VARIANTS[estimator], f"trainer.seed={seed}",
-                                 f"generator.seed={seed}",                                  f"trainer.default_local_dir={run_dir}"]
+                                 f"generator.seed={seed}", f"trainer.default_local_dir={run_dir}"]
                     done = subprocess.run([sys.executable, "-c", PPO_RUN, str(threads), CONFIG, *overrides],
                                           capture_output=True, text=True, cwd=REPO)
                     curve = curve_of(run_dir)
