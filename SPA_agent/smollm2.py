@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import os
 import shutil
 import subprocess
@@ -29,7 +28,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from SPA_agent.model_cache import DEFAULT_CACHE_DIR, MARKER_FILE
+from SPA_agent.model_cache import DEFAULT_CACHE_DIR, MARKER_FILE, save_model_dir
 
 NAME = "smollm2-135m"
 VERSION = "v1"  # bump when the conversion changes: the cache is keyed on it
@@ -102,8 +101,7 @@ def find_gguf(cache_dir: Path, download: bool = True) -> Path:
 
 
 def convert_gguf(gguf_path: Path, output_dir: Path, dtype: str = "bfloat16") -> Path:
-    """A plain Hugging Face directory from a Llama-architecture GGUF file (written atomically: a staging folder,
-    then a rename). The weights are de-quantized by transformers, then copied into a model built from the same
+    """A plain Hugging Face directory from a Llama-architecture GGUF file (written atomically). The weights are de-quantized by transformers, then copied into a model built from the same
     config, which `save_pretrained` accepts; eos and pad become the end-of-turn token `<|im_end|>`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -128,20 +126,7 @@ def convert_gguf(gguf_path: Path, output_dir: Path, dtype: str = "bfloat16") -> 
     tokenizer.eos_token = tokenizer.pad_token = END_OF_TURN
     tokenizer.clean_up_tokenization_spaces = False  # a BPE tokenizer: decoding must not strip spaces
 
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}-", dir=output_dir.parent))
-    try:
-        tokenizer.save_pretrained(staging)
-        model.save_pretrained(staging, safe_serialization=True)
-        (staging / MARKER_FILE).write_text(json.dumps({"name": NAME, "version": VERSION, "gguf": gguf_path.name}))
-        try:
-            staging.rename(output_dir)
-        except OSError:  # another process finished first: keep theirs
-            if not (output_dir / MARKER_FILE).exists():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return output_dir
+    return save_model_dir(tokenizer, model, output_dir, {"name": NAME, "version": VERSION, "gguf": gguf_path.name})
 
 
 def smollm2_model_dir(cache_dir: str | Path | None = None) -> Path:

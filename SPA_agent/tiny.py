@@ -10,13 +10,10 @@ weights from a fixed seed. Build twice, get byte-identical files.
 
 from __future__ import annotations
 
-import json
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from SPA_agent.model_cache import DEFAULT_CACHE_DIR, MARKER_FILE
+from SPA_agent.model_cache import DEFAULT_CACHE_DIR, MARKER_FILE, save_model_dir
 
 TINY_NAME = "tiny"
 TINY_VERSION = "v1"  # bump when the recipe changes: the cache is keyed on it
@@ -149,23 +146,9 @@ def _build_model(tokenizer, shape: dict):
 def build_embedded_model(name: str, output_dir: str | Path) -> Path:
     """Build embedded model `name` + tokenizer into `output_dir` (written atomically: a temp dir, then a rename)."""
     spec = EMBEDDED_MODELS[name]
-    output_dir = Path(output_dir)
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=output_dir.parent))
-    try:
-        tokenizer = _build_tokenizer()
-        model = _build_model(tokenizer, spec.shape)
-        tokenizer.save_pretrained(staging)
-        model.save_pretrained(staging, safe_serialization=True)
-        (staging / MARKER_FILE).write_text(json.dumps({"name": spec.name, "version": spec.version}))
-        try:
-            staging.rename(output_dir)
-        except OSError:  # another process finished first: keep theirs
-            if not (output_dir / MARKER_FILE).exists():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return output_dir
+    tokenizer = _build_tokenizer()
+    return save_model_dir(tokenizer, _build_model(tokenizer, spec.shape), Path(output_dir),
+                          {"name": spec.name, "version": spec.version})
 
 
 def build_tiny_model(output_dir: str | Path) -> Path:
