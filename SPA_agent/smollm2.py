@@ -101,8 +101,9 @@ def find_gguf(cache_dir: Path, download: bool = True) -> Path:
 
 
 def convert_gguf(gguf_path: Path, output_dir: Path, dtype: str = "bfloat16") -> Path:
-    """A plain Hugging Face directory from a Llama-architecture GGUF file (written atomically). The weights are de-quantized by transformers, then copied into a model built from the same
-    config, which `save_pretrained` accepts; eos and pad become the end-of-turn token `<|im_end|>`."""
+    """A plain Hugging Face directory from a Llama-architecture GGUF file (written atomically). The weights are
+    de-quantized by transformers, then copied into a model built from the same config, which `save_pretrained`
+    accepts; eos and pad become the end-of-turn token `<|im_end|>`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
