@@ -2,11 +2,12 @@
 # PPO (stage 3) from a checkpoint: an SFT checkpoint for SPA, the instruct model for the baseline.
 #
 #   bash train_ppo_sfted.sh <config> <checkpoint path | hub id | tiny> <experiment name> [hydra overrides...]
-# Environment: MODEL (1.5B; 0.5B, 3B, llama1B, tiny: selects CPU-sized settings, small, smollm2-135m), RENDER_MODE (default: the
-#   config's, text_with_coordinates unless an experiment=<name> sets it), NGPUS (detected), BASE_DIR (runs go
-#   to $BASE_DIR/<config>/<experiment>, default ./checkpoints), TOTAL_STEPS (1000; 2 for tiny), ROLLOUT_TP (vLLM tensor parallel size with
-#   more than one GPU; default: all of them), RESUME (0: start fresh in the run directory, the default; 1: continue
-#   a run there with the same settings and starting model).
+# Environment: MODEL (1.5B; 0.5B, 3B, llama1B, tiny: selects CPU-sized settings, small, smollm2-135m),
+#   RENDER_MODE (default: the config's, text_with_coordinates unless an experiment=<name> sets it), NGPUS
+#   (detected), BASE_DIR (runs go to $BASE_DIR/<config>/<experiment>, default ./checkpoints), TOTAL_STEPS (1000;
+#   2 for tiny), ROLLOUT_TP (GPUs per vLLM engine with more than one GPU; default auto, by model size: one engine
+#   per GPU where the model fits one), RESUME (0: start fresh in the run directory, the default; 1: continue a
+#   run there with the same settings and starting model).
 set -euo pipefail
 cd "$(dirname "$0")"
 . scripts/common.sh
@@ -31,7 +32,7 @@ if [ -e "$CKPT" ] && [ ! -f "$CKPT/config.json" ]; then die "'$CKPT' is not a Hu
 # One process for CPU or one GPU (local backend); verl's Ray/FSDP workers with tensor-parallel vLLM beyond.
 BACKEND_ARGS=(trainer.backend=local)
 if [ "$NGPUS" -gt 1 ]; then
-    BACKEND_ARGS=(trainer.backend=verl actor_rollout_ref.rollout.tensor_model_parallel_size="${ROLLOUT_TP:-$NGPUS}")
+    BACKEND_ARGS=(trainer.backend=verl actor_rollout_ref.rollout.tensor_model_parallel_size="${ROLLOUT_TP:-auto}")
 fi
 
 python -m SPA_agent.trainer.main_ppo --config-name "$CONFIG_NAME" model="$PRESET" \

@@ -36,7 +36,10 @@ check_script_variables() {
     check_count NGPUS 0
     check_count BT_NUM 1
     check_count TOTAL_STEPS 1
-    check_count ROLLOUT_TP 1
+    case "${ROLLOUT_TP:-auto}" in
+        auto|[1-9]|[1-9][0-9]) ;;
+        *) die "ROLLOUT_TP must be auto or an integer >= 1, got '$ROLLOUT_TP'" ;;
+    esac
     is_resume || true
 }
 

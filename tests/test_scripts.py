@@ -112,7 +112,7 @@ def test_run_baseline_trains_from_the_base_model_and_prints_the_summary(tmp_path
     ("run_spa.sh", ("_2_sokoban", "last", "True"), {"BT_NUM": "two"}, "BT_NUM must be an integer >= 1, got 'two'"),
     ("run_baseline.sh", ("_2_sokoban",), {"TOTAL_STEPS": "0"}, "TOTAL_STEPS must be an integer >= 1, got '0'"),
     ("train_ppo_sfted.sh", ("_2_sokoban", "tiny", "x"), {"ROLLOUT_TP": "all"},
-     "ROLLOUT_TP must be an integer >= 1, got 'all'"),
+     "ROLLOUT_TP must be auto or an integer >= 1, got 'all'"),
     ("run_baseline.sh", ("_2_sokoban",), {"RESUME": "2"}, "RESUME must be 0"),
     # llama1B is a model preset of the main job: stage 2 accepts it (and then checks the data)
     ("sft/finetune_ft.sh", ("_2_sokoban", "1", "/nonexistent/sft", "/nonexistent/data", "llama1B"), {},

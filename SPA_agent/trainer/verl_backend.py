@@ -17,8 +17,9 @@ training call after generating puts the engine to sleep. Batches move between th
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import importlib.util
-import uuid
+import json
 from functools import partial
 from pathlib import Path
 
@@ -130,12 +131,15 @@ class VerlWorkers:
 
 
 def _critic_worker_config(critic_cfg):
-    """verl's TrainingWorkerConfig of a value model, as RayPPOTrainer.init_workers builds it."""
+    """verl's TrainingWorkerConfig of a value model, as RayPPOTrainer.init_workers builds it, with the critic's own
+    micro-batching (RayPPOTrainer leaves the engine's default: token budgets, whatever `critic.use_dynamic_bsz`)."""
     from verl.workers.config import TrainingWorkerConfig
 
     engine = critic_cfg.engine
+    engine.use_dynamic_bsz = critic_cfg.use_dynamic_bsz
     engine.infer_max_token_len_per_gpu = critic_cfg.ppo_infer_max_token_len_per_gpu
     engine.max_token_len_per_gpu = critic_cfg.ppo_max_token_len_per_gpu
+    engine.micro_batch_size_per_gpu = engine.infer_micro_batch_size_per_gpu = critic_cfg.ppo_micro_batch_size_per_gpu
     return TrainingWorkerConfig(model_type="value_model", model_config=critic_cfg.model, engine_config=engine,
                                 optimizer_config=critic_cfg.optim, checkpoint_config=critic_cfg.checkpoint)
 
@@ -186,7 +190,7 @@ class VerlBackend:
         return list(await asyncio.gather(*(self._generate_one(p) for p in prompts)))
 
     async def _generate_one(self, prompt: Prompt) -> Generation:
-        output = await self.workers.client.generate(uuid.uuid4().hex, prompt_ids=list(prompt.prompt_ids),
+        output = await self.workers.client.generate(conversation_key(prompt), prompt_ids=list(prompt.prompt_ids),
                                                     sampling_params=dict(self.sampling))
         if output.stop_reason == "aborted":
             raise RuntimeError("the rollout server aborted a request (engine put to sleep mid-generation)")
@@ -272,6 +276,16 @@ class VerlBackend:
         self._sleep_rollout()
         for role, group in (("actor", self.workers.actor), ("critic", self.workers.critic)):
             group.load_checkpoint(str(Path(directory) / role))
+
+
+def conversation_key(prompt: Prompt) -> str:
+    """Routing key of a prompt: its conversation's first two messages (system prompt and first observation).
+
+    verl's load balancer sends the requests of one key to one rollout server (sticky sessions: `request_id`, while
+    vLLM gets a fresh id per request), so a trajectory's later turns, and the trajectories of a group (one start
+    state), find their shared prefix in that engine's prefix cache instead of prefilling it again elsewhere.
+    """
+    return hashlib.sha1(json.dumps(prompt.messages[:2], sort_keys=True).encode()).hexdigest()
 
 
 def update_meta(role_cfg: DictConfig, temperature: float, seed: int) -> dict:

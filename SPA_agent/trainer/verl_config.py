@@ -17,6 +17,7 @@ import functools
 import importlib.util
 from pathlib import Path
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 #: extra to install for this backend
@@ -34,22 +35,25 @@ COPIED: tuple[tuple[str, str], ...] = (
     *((f"{model}.{k}",) * 2 for model in ("actor_rollout_ref.model", f"{_CRITIC}.model") for k in LORA_KEYS),
     *((f"actor_rollout_ref.model.{k}",) * 2 for k in ("enable_gradient_checkpointing",)),
     *((f"{_ACTOR}.{k}",) * 2 for k in (
-        "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "shuffle", "grad_clip", "clip_ratio",
-        "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode", "loss_scale_factor",
+        "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "use_dynamic_bsz", "ppo_max_token_len_per_gpu",
+        "ppo_epochs", "shuffle", "grad_clip", "clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode", "loss_scale_factor",
         "policy_loss.loss_mode", "entropy_coeff", "use_kl_loss", "kl_loss_coef", "kl_loss_type",
         "optim.lr", "optim.lr_warmup_steps_ratio", "optim.weight_decay", "optim.betas")),
     (f"{_ACTOR}.grad_clip", f"{_ACTOR}.optim.clip_grad"),
-    ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",) * 2,
+    *((f"actor_rollout_ref.ref.{k}",) * 2 for k in (
+        "log_prob_micro_batch_size_per_gpu", "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu")),
     ("actor_rollout_ref.ref.offload_to_cpu", "actor_rollout_ref.ref.fsdp_config.param_offload"),
     *((f"{_ROLLOUT}.{k}",) * 2 for k in (
-        "temperature", "top_k", "top_p", "dtype", "gpu_memory_utilization", "tensor_model_parallel_size",
-        "max_model_len", "max_num_batched_tokens", "max_num_seqs", "log_prob_micro_batch_size_per_gpu",
+        "temperature", "top_k", "top_p", "dtype", "gpu_memory_utilization", "max_model_len", "max_num_batched_tokens",
+        "max_num_seqs", "log_prob_micro_batch_size_per_gpu", "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu",
         "response_length", "val_kwargs.top_k", "val_kwargs.top_p", "val_kwargs.temperature", "val_kwargs.do_sample")),
     *((f"{_CRITIC}.{k}",) * 2 for k in (
-        "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "shuffle", "grad_clip",
-        "cliprange_value", "loss_agg_mode", "model.enable_gradient_checkpointing",
+        "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "use_dynamic_bsz", "ppo_max_token_len_per_gpu",
+        "forward_max_token_len_per_gpu", "ppo_epochs", "shuffle", "grad_clip", "cliprange_value", "loss_agg_mode", "model.enable_gradient_checkpointing",
         "optim.lr", "optim.lr_warmup_steps_ratio", "optim.weight_decay", "optim.betas")),
     (f"{_CRITIC}.grad_clip", f"{_CRITIC}.optim.clip_grad"),
+    # the value pass's token budget (verl's critic engine reads it under this name)
+    (f"{_CRITIC}.forward_max_token_len_per_gpu", f"{_CRITIC}.ppo_infer_max_token_len_per_gpu"),
     *((f"algorithm.{k}",) * 2 for k in (
         "gamma", "lam", "adv_estimator", "use_kl_in_reward", "kl_penalty", "kl_ctrl.type", "kl_ctrl.kl_coef")),
     *((f"trainer.{k}",) * 2 for k in (
@@ -103,6 +107,46 @@ def attention_settings(has_flash_attn: bool, remove_padding: str | bool = "auto"
             for key, value in (("override_config.attn_implementation", attention), ("use_remove_padding", packed))}
 
 
+def rollout_tensor_parallel(setting: int | str, *, weight_bytes: int, gpu_bytes: int | None,
+                            memory_share: float, gpus: int, attention_heads: int) -> int:
+    """GPUs per rollout engine (`actor_rollout_ref.rollout.tensor_model_parallel_size`); a number is kept.
+
+    `auto`: the fewest GPUs (dividing the GPU count and the model's attention heads) whose slice of the weights
+    takes at most half of the memory the engine may use (`memory_share` of a GPU), the other half left for the KV
+    cache and CUDA graphs. A model that fits one GPU so runs one engine per GPU: data-parallel replicas that decode
+    without an all-reduce per layer. Without a GPU on the driver (`gpu_bytes` None) it is 1.
+    """
+    if setting != "auto":
+        return int(setting)
+    if gpu_bytes is None:
+        return 1
+    fits = [tp for tp in range(1, gpus + 1) if gpus % tp == 0 and attention_heads % tp == 0]
+    return next((tp for tp in fits if weight_bytes / tp <= memory_share * gpu_bytes / 2), fits[-1])
+
+
+def model_weight_bytes(path: str, dtype: str) -> tuple[int, int]:
+    """(bytes of the model's weights in `dtype`, its attention heads), counted on the meta device: nothing is read
+    but the config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    weights = sum(p.numel() for p in model.parameters()) * torch.finfo(getattr(torch, dtype)).bits // 8
+    return weights, config.num_attention_heads
+
+
+def _rollout_tp(cfg: DictConfig, model_path: str) -> int:
+    rollout, trainer = cfg.actor_rollout_ref.rollout, cfg.trainer
+    if rollout.tensor_model_parallel_size != "auto":
+        return int(rollout.tensor_model_parallel_size)
+    weights, heads = model_weight_bytes(model_path, rollout.dtype)
+    gpu = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+    return rollout_tensor_parallel("auto", weight_bytes=weights, gpu_bytes=gpu,
+                                   memory_share=rollout.gpu_memory_utilization,
+                                   gpus=trainer.n_gpus_per_node * trainer.nnodes, attention_heads=heads)
+
+
 def _derived(cfg: DictConfig) -> dict[str, object]:
     """verl keys computed from ours (verl path → value)."""
     from SPA_agent.tiny import resolve_model_path
@@ -115,6 +159,7 @@ def _derived(cfg: DictConfig) -> dict[str, object]:
         **attention_settings(importlib.util.find_spec("flash_attn") is not None, cfg.verl_backend.remove_padding),
         "actor_rollout_ref.model.path": actor_path,
         f"{_CRITIC}.model.path": critic_path,
+        f"{_ROLLOUT}.tensor_model_parallel_size": _rollout_tp(cfg, actor_path),
         f"{_CRITIC}.model.tokenizer_path": actor_path,
         f"{_CRITIC}.enable": True,
         f"{_ACTOR}.optim.total_training_steps": steps,
@@ -155,10 +200,15 @@ def check_verl_config(cfg: DictConfig, verl_cfg: DictConfig) -> None:
         raise ValueError(f"verl_backend.rollout_name must be one of {list(ROLLOUT_ENGINES)}, got "
                          f"{backend.rollout_name!r}")
     world = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
-    tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+    tp = verl_cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
     if world % tp:
         raise ValueError(f"actor_rollout_ref.rollout.tensor_model_parallel_size ({tp}) must divide the number of "
                          f"GPUs, trainer.n_gpus_per_node × trainer.nnodes ({world})")
+    actor, rollout = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+    if actor.use_dynamic_bsz != rollout.log_prob_use_dynamic_bsz:
+        raise ValueError(f"actor_rollout_ref.actor.use_dynamic_bsz ({actor.use_dynamic_bsz}) and "
+                         f"actor_rollout_ref.rollout.log_prob_use_dynamic_bsz ({rollout.log_prob_use_dynamic_bsz}) "
+                         "must be equal: verl's actor worker runs both passes with one engine setting")
     batch = filtered_batch_size(cfg)
     for name in (_ACTOR, _CRITIC):
         mini = OmegaConf.select(cfg, f"{name}.ppo_mini_batch_size")

@@ -18,7 +18,7 @@ from SPA_agent.rollout.agent_proxy import LLMAgentProxy
 from SPA_agent.trainer import local_backend, verl_config, verl_layout
 from SPA_agent.trainer import local_models as lm
 from SPA_agent.trainer.backend import build_backend
-from SPA_agent.trainer.verl_backend import runtime_problems, update_meta
+from SPA_agent.trainer.verl_backend import conversation_key, runtime_problems, update_meta
 
 
 def test_unknown_backend_lists_the_valid_ones(tiny_tokenizer):
@@ -44,6 +44,16 @@ def test_update_meta_reads_every_key_of_both_roles(role):
     assert update_meta(role_cfg, temperature=1.0, seed=7) == {
         "temperature": 1.0, "global_batch_size": 32, "mini_batch_size": 32, "epochs": 1, "seed": 7,
         "dataloader_kwargs": {"shuffle": False}}
+
+
+def test_conversation_key_routes_a_trajectorys_turns_and_its_group_together():
+    from SPA_agent.generators.base import Prompt
+
+    system, start = {"role": "system", "content": "play"}, {"role": "user", "content": "#_P_#"}
+    turn = lambda *later: Prompt(messages=[system, start, *later], prompt_ids=[1])
+    first = conversation_key(turn())
+    assert conversation_key(turn({"role": "assistant", "content": "Up"}, {"role": "user", "content": "#P__#"})) == first
+    assert conversation_key(Prompt(messages=[system, {"role": "user", "content": "#P__#"}], prompt_ids=[1])) != first
 
 
 def test_runtime_problems_lists_each_missing_piece():

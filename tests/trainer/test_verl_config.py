@@ -85,8 +85,80 @@ def test_workers_see_the_filtered_batch(configs):
     vc.check_verl_config(cfg, verl_cfg)
 
 
+def test_token_budgets_reach_every_verl_pass(configs):
+    # issue 28: the local backend's micro-batching by token budget (base.yaml: on) now drives verl's workers too
+    cfg, verl_cfg = configs
+    ours = cfg.actor_rollout_ref
+    assert ours.actor.use_dynamic_bsz is True
+    actor = omega_conf_to_dataclass(verl_cfg.actor_rollout_ref.actor)
+    assert actor.use_dynamic_bsz and actor.ppo_max_token_len_per_gpu == ours.actor.ppo_max_token_len_per_gpu
+    rollout, ref = verl_cfg.actor_rollout_ref.rollout, verl_cfg.actor_rollout_ref.ref
+    for verl_pass, our_pass in ((rollout, ours.rollout), (ref, ours.ref)):  # old and reference log-probs
+        assert verl_pass.log_prob_use_dynamic_bsz is True
+        assert verl_pass.log_prob_max_token_len_per_gpu == our_pass.log_prob_max_token_len_per_gpu
+    critic = omega_conf_to_dataclass(verl_cfg.critic)
+    assert critic.use_dynamic_bsz and critic.ppo_max_token_len_per_gpu == cfg.critic.ppo_max_token_len_per_gpu
+    assert critic.ppo_infer_max_token_len_per_gpu == cfg.critic.forward_max_token_len_per_gpu
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_critic_engine_follows_the_critic_micro_batching(dynamic):
+    # verl's own trainer leaves the value model's engine at its default (token budgets) whatever the critic asks
+    from SPA_agent.config import compose
+    from SPA_agent.trainer.verl_backend import _critic_worker_config
+
+    cfg = compose("_2_sokoban", ["model=tiny", *OVERRIDES, f"use_dynamic_bsz={dynamic}", "micro_batch_size_per_gpu=2",
+                                 "ppo_max_token_len_per_gpu=4096", "log_prob_max_token_len_per_gpu=8192"])
+    engine = _critic_worker_config(omega_conf_to_dataclass(vc.build_verl_config(cfg).critic)).engine_config
+    assert engine.use_dynamic_bsz is dynamic
+    assert (engine.max_token_len_per_gpu, engine.infer_max_token_len_per_gpu) == (4096, 8192)
+    assert engine.micro_batch_size_per_gpu == engine.infer_micro_batch_size_per_gpu == 2
+
+
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize("weights_gib, gpus, heads, tp", [
+    (1, 2, 14, 1),      # 0.5B in bf16: one engine per GPU (data-parallel replicas)
+    (1, 8, 14, 1),
+    (30, 4, 28, 2),     # 15B: 30 GiB > 20 GiB (half of 0.5 × 80 GiB), 15 GiB per GPU on two
+    (145, 8, 64, 8),    # 72B: 18 GiB per GPU on eight
+    (145, 4, 64, 4),    # too large for every split: the widest one, vLLM then reports the memory
+    (30, 4, 14, 2),     # 14 heads: 4 GPUs do not split them, 2 do
+])
+def test_auto_rollout_tensor_parallel_by_model_size(weights_gib, gpus, heads, tp):
+    assert vc.rollout_tensor_parallel("auto", weight_bytes=weights_gib * GIB, gpu_bytes=80 * GIB, memory_share=0.5,
+                                      gpus=gpus, attention_heads=heads) == tp
+
+
+def test_rollout_tensor_parallel_keeps_a_number_and_needs_a_gpu_for_auto():
+    sizes = dict(weight_bytes=145 * GIB, memory_share=0.5, gpus=8, attention_heads=64)
+    assert vc.rollout_tensor_parallel(4, gpu_bytes=80 * GIB, **sizes) == 4
+    assert vc.rollout_tensor_parallel("auto", gpu_bytes=None, **sizes) == 1
+
+
+def test_model_weight_bytes_counts_the_loaded_parameters(tiny_dir):
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    weights, heads = vc.model_weight_bytes(str(tiny_dir), "bfloat16")
+    assert weights == 2 * sum(p.numel() for p in loaded.parameters())
+    assert heads == loaded.config.num_attention_heads
+
+
+def test_auto_tensor_parallel_is_the_default_and_lands_in_verls_rollout_config():
+    from SPA_agent.config import compose
+
+    cfg = compose("_2_sokoban", ["model=tiny", "trainer.backend=verl", "trainer.n_gpus_per_node=2"])
+    assert cfg.actor_rollout_ref.rollout.tensor_model_parallel_size == "auto"
+    verl_cfg = vc.build_verl_config(cfg)
+    assert omega_conf_to_dataclass(verl_cfg.actor_rollout_ref.rollout).tensor_model_parallel_size == 1  # no GPU here
+    vc.check_verl_config(cfg, verl_cfg)
+
+
 @pytest.mark.parametrize("override, message", [
     ("actor_rollout_ref.rollout.tensor_model_parallel_size=3", "tensor_model_parallel_size"),
+    ("actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=False", "log_prob_use_dynamic_bsz .* must be equal"),
     ("trainer.n_gpus_per_node=8", "multiple of the 8 GPUs"),
     ("verl_backend.rollout_name=hf", "rollout_name"),
 ])

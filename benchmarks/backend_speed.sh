@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One PPO step of each backend on the same machine in one run (issue 28): the local backend on one GPU, then the
+# verl backend on all of them (Ray/FSDP workers, vLLM rollout engines), same model, batch and settings.
+#
+#   bash benchmarks/backend_speed.sh <out_dir> [STEPS=4] [SHAPE=0.5b] [-- extra overrides of both runs]
+#
+# Model: random weights of SHAPE over the tiny tokenizer (benchmarks/random_model.py), so no download; batch: the
+# paper's (_2_sokoban: 32 groups × 8 trajectories, up to 5 turns × 400 tokens, 25% of the groups trained). Each run
+# goes through train_ppo_sfted.sh (what a user runs; with NGPUS > 1 it picks trainer.backend=verl and
+# ROLLOUT_TP=auto). VERL_ARGS adds overrides to the verl run only. Writes <out>/metrics_{local,verl}.jsonl, a log
+# per run, summary.txt (exit status and seconds of each run) and table.md (benchmarks/backend_table.py: the
+# phases' steady seconds, the median of the steps after the first, side by side).
+# Needs ray, vllm and the project's dependencies importable (docs/scale_out.md, "Offline GPU hosts").
+set -uo pipefail
+out="${1:?usage: bash benchmarks/backend_speed.sh <out_dir> [STEPS] [SHAPE] [-- overrides]}"; shift
+steps="${1:-4}"; [ $# -gt 0 ] && shift
+shape="${1:-0.5b}"; [ $# -gt 0 ] && shift
+[ "${1:-}" = -- ] && shift
+work="${WORK:-/tmp/backend_speed}"
+cd "$(dirname "$0")/.."
+mkdir -p "$out" "$work"
+gpus="$(nvidia-smi --list-gpus | grep -c GPU)"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+[ -f "$work/model_$shape/config.json" ] || (cd benchmarks && python random_model.py --shape "$shape" --out "$work/model_$shape")
+
+run() {  # run NAME NGPUS [overrides...]: train_ppo_sfted.sh on the first NGPUS GPUs
+    local name="$1" n="$2" start rc; shift 2
+    local visible; visible="$(seq -s, 0 $(( n - 1 )))"
+    echo "== $name ($n GPU) started $(date -u +%T)" | tee -a "$out/summary.txt"
+    start=$(date +%s)
+    CUDA_VISIBLE_DEVICES="$visible" NGPUS="$n" MODEL="${shape^^}" TOTAL_STEPS="$steps" BASE_DIR="$work/runs" \
+        bash train_ppo_sfted.sh _2_sokoban "$work/model_$shape" "$name" trainer.test_freq=-1 "$@" > "$out/$name.log" 2>&1
+    rc=$?
+    echo "== $name exit=$rc seconds=$(( $(date +%s) - start ))" | tee -a "$out/summary.txt"
+    cp "$work/runs/_2_sokoban/$name/metrics.jsonl" "$out/metrics_$name.jsonl" 2>/dev/null
+}
+
+run local 1 "$@"
+run verl "$gpus" "$@" ${VERL_ARGS:-}
+python benchmarks/backend_table.py "$out/metrics_local.jsonl" "$out/metrics_verl.jsonl" \
+    --labels "local (1 GPU)" "verl ($gpus GPUs)" | tee "$out/table.md"

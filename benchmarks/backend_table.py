@@ -1,0 +1,57 @@
+"""The phase table of two PPO runs side by side (benchmarks/backend_speed.sh): steady seconds per phase.
+
+    python benchmarks/backend_table.py <metrics.jsonl> <metrics.jsonl> [--labels A B] [--skip 1]
+
+Steady = the median over the steps after the first --skip (the first step pays CUDA-graph captures, compilation
+and allocator warm-up). Rows: the driver's phases (`timing_s/<phase>`, ppo_trainer.py), the step, and the step's
+sampled tokens; the last column is the second run's time over the first's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+PHASES = ("gen", "filter", "old_log_prob", "ref", "diagnostics", "values", "adv", "update_critic", "update_actor")
+
+
+def steady(path: Path, skip: int) -> dict[str, float]:
+    """Median seconds of each timed phase over the steps after the first `skip`."""
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = [r for r in records if "timing_s/step" in r]
+    kept = records[skip:] or records[-1:]
+    keys = {k for r in kept for k in r if k.startswith("timing_s/")}
+    return {k.removeprefix("timing_s/"): statistics.median(r[k] for r in kept if k in r) for k in keys} | {
+        "steps": float(len(kept))}
+
+
+def table(runs: list[dict[str, float]], labels: list[str]) -> str:
+    lines = [f"| phase (s) | {' | '.join(labels)} | ratio |", "|---|" + "---|" * (len(labels) + 1)]
+    for phase in (*PHASES, "step"):
+        if not any(phase in run for run in runs):
+            continue
+        values = [run.get(phase) for run in runs]
+        cells = [f"{v:.2f}" if v is not None else "–" for v in values]
+        ratio = f"{values[1] / values[0]:.2f}" if None not in values and values[0] else "–"
+        name = f"**{phase}**" if phase == "step" else phase
+        lines.append(f"| {name} | {' | '.join(cells)} | {ratio} |")
+    lines.append(f"| steps in the median | {' | '.join(str(int(run['steps'])) for run in runs)} | |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("metrics", nargs=2, type=Path, help="two metrics.jsonl files")
+    parser.add_argument("--labels", nargs=2, default=["first", "second"])
+    parser.add_argument("--skip", type=int, default=1, help="leading steps left out of the median")
+    args = parser.parse_args()
+    missing = [str(p) for p in args.metrics if not p.is_file()]
+    if missing:
+        parser.exit(2, f"error: no metrics file: {', '.join(missing)}\n")
+    print(table([steady(p, args.skip) for p in args.metrics], args.labels))
+
+
+if __name__ == "__main__":
+    main()
