@@ -33,6 +33,7 @@ from SPA_agent.entry import (
 )
 from SPA_agent.evaluation.passk import pass_any, passk_summary
 from SPA_agent.generators.base import FINISH_ERROR, Generation, Prompt
+from SPA_agent.rollout.turns import rendered_states, turns
 from SPA_agent.runs import atomic_io
 from SPA_agent.runs.dir_lock import DirLock, check_unlocked, check_writable
 from SPA_agent.runs.progress import quiet_library_progress
@@ -114,22 +115,22 @@ class ErrorTolerantGenerator:
         a turn t, in env-id order (the proxy steps the active envs in order)."""
         failed = set()
         for turn, positions in enumerate(self.failed_positions[first_call:]):
-            active = sorted(s["env_id"] for s in states if len(s["history"]) - 1 > turn)
+            active = sorted(s["env_id"] for s in states if len(turns(s["history"])) > turn)
             failed.update(active[p] for p in positions)
         return failed
 
 
 def trajectory_record(proxy, state: Mapping, repeat: int, failed: bool) -> dict:
     """What trajectories.jsonl stores for one episode."""
-    history = state["history"]
+    taken = turns(state["history"])
     return {
         "repeat": repeat, "env_id": state["env_id"], "group_id": state["group_id"], "tag": state["tag"],
         "seed": int(state["seed"]), "success": state["metrics"][f"{state['tag']}/success"] > 0,
         "failed_request": failed, "messages": proxy.messages(state, normalized=False),
-        "actions": [h.get("actions", []) for h in history[:-1]],
-        "rewards": [h.get("reward", 0.0) for h in history[:-1]],
-        "true_states": [h["state"] for h in history],
-        "response_tokens": sum(len(h.get("response_ids") or []) for h in history[:-1]),
+        "actions": [turn.actions for turn in taken],
+        "rewards": [turn.reward for turn in taken],
+        "true_states": rendered_states(state["history"]),
+        "response_tokens": sum(len(turn.response_ids or []) for turn in taken),
         "metrics": state["metrics"],
     }
 

@@ -34,6 +34,7 @@ from SPA_agent.entry import (
     load_tokenizer,
     prepare_config,
 )
+from SPA_agent.rollout.turns import rendered_states, turns
 from SPA_agent.runs import atomic_io, run_identity
 from SPA_agent.runs.dir_lock import DirLock, check_unlocked, check_writable
 from SPA_agent.runs.progress import progress_bar, quiet_library_progress
@@ -102,7 +103,7 @@ def rollout_records(proxy, states: list[Mapping], first_id: int, env_types: Mapp
     states written into the model's blocks (data_variants.STATE_TARGETS; random draws seeded per trajectory)."""
     rows, trajectories = [], []
     for offset, record in enumerate(states):
-        true_states = [entry["state"] for entry in record["history"]]
+        true_states, taken = rendered_states(record["history"]), turns(record["history"])
         raw_messages = proxy.messages(record, normalized=True)
         written = state_targets(true_states, targets, np.random.default_rng([seed, first_id + offset]))
         messages = raw_messages if written is None else substitute_trajectory(raw_messages, written)[0]
@@ -110,8 +111,8 @@ def rollout_records(proxy, states: list[Mapping], first_id: int, env_types: Mapp
         trajectories.append({
             "trajectory_id": first_id + offset, "tag": record["tag"], "seed": int(record["seed"]),
             "messages": raw_messages, "true_states": true_states,
-            "actions": [entry.get("actions", []) for entry in record["history"][:-1]],
-            "rewards": [entry.get("reward", 0.0) for entry in record["history"][:-1]],
+            "actions": [turn.actions for turn in taken],
+            "rewards": [turn.reward for turn in taken],
             "success": record["metrics"][f"{record['tag']}/success"],
         })
     return rows, trajectories

@@ -18,6 +18,8 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from SPA_agent.rollout.turns import transitions
+
 OBSERVATION_TAGS = ("<observation>", "</observation>")
 PREDICTION_TAGS = ("<prediction>", "</prediction>")
 SUDOKU_ROW_MARK = "|"
@@ -186,11 +188,10 @@ def _zero_accuracy(true: str) -> dict[str, float | None]:
 
 
 def trajectory_turns(history: Sequence[Mapping]) -> Iterable[tuple[str, str, str]]:
-    """(response, true state before, true state after) for every turn taken in a rollout-state `history`
+    """(raw response, true state before, true state after) for every turn taken in a rollout-state `history`
     (docs/interfaces.md: `history[t]["state"]` / `history[t+1]["state"]` bracket turn t)."""
-    for t in range(len(history) - 1):
-        response = history[t].get("llm_raw_response") or history[t].get("llm_response") or ""
-        yield response, history[t]["state"], history[t + 1]["state"]
+    for turn, after in transitions(history):
+        yield turn.llm_raw_response, turn.state, after
 
 
 def worldmodel_accuracy(states: Sequence[Mapping], prefix: str = "") -> dict[str, float]:

@@ -18,6 +18,7 @@ from SPA_agent.rollout.chat_tokens import SAMPLED, SYSTEM, AssistantTurn, ChatTo
 from SPA_agent.rollout.es_manager import EnvInput
 from SPA_agent.rollout.parsing import MODES, parse_response, response_format
 from SPA_agent.rollout.rewards import normalize_scores, turn_ends
+from SPA_agent.rollout.turns import Turn, read_entry, turns
 
 SYSTEM_PROMPT = "You're a helpful assistant. "
 
@@ -74,28 +75,26 @@ class ContextManager:
         """Chat messages of one trajectory (spec §6.2). Assistant contents are the normalized responses
         (`normalized=True`, the view written to SFT data) or the raw ones the model actually produced."""
         max_tokens = self.config["custom_envs"][cache["tag"]].get("max_tokens", 100)
-        history = list(cache["history"])
-        if for_update and "llm_response" not in history[-1]:
+        history = [read_entry(entry) for entry in cache["history"]]
+        if for_update and not isinstance(history[-1], Turn):
             history = history[:-1]
         messages = [{"role": "system", "content": SYSTEM_PROMPT},
                     {"role": "user", "content": self.instruction(cache["tag"])}]
         for idx, entry in enumerate(history):
-            messages[-1]["content"] += f"\nTurn {idx + 1}:\n"
-            if "state" in entry:
-                messages[-1]["content"] += (
-                    f"State:\n{entry['state']}\nYou have {entry['actions_left']} actions left. "
-                    f"Always output: {self.format} with no extra text. Strictly follow this format. "
-                    f"Max response length: {max_tokens} words (tokens).\n"
-                )
-            if "llm_response" in entry:
-                content = entry["llm_response"] if normalized else entry["llm_raw_response"]
+            messages[-1]["content"] += (
+                f"\nTurn {idx + 1}:\nState:\n{entry.state}\nYou have {entry.actions_left} actions left. "
+                f"Always output: {self.format} with no extra text. Strictly follow this format. "
+                f"Max response length: {max_tokens} words (tokens).\n"
+            )
+            if isinstance(entry, Turn):
+                content = entry.llm_response if normalized else entry.llm_raw_response
                 messages.append({"role": "assistant", "content": content})
-            if "reward" in entry and not (for_update and idx == len(history) - 1):
-                messages.append({"role": "user", "content": f"Reward:\n{entry['reward']}\n"})
+                if not (for_update and idx == len(history) - 1):
+                    messages.append({"role": "user", "content": f"Reward:\n{entry.reward}\n"})
         return messages
 
     def _assistant_turns(self, cache: Mapping) -> list[AssistantTurn]:
-        return [AssistantTurn(self.prefix, e["response_ids"]) for e in cache["history"] if "llm_response" in e]
+        return [AssistantTurn(self.prefix, turn.response_ids) for turn in turns(cache["history"])]
 
     def get_lm_inputs(self, caches: list[Mapping]) -> list[tuple[list[dict], list[int]]]:
         """(messages, prompt ids) for the next turn of each env; the ids end with the forced prefix."""
@@ -154,14 +153,14 @@ class ContextManager:
         scores = torch.zeros_like(loss_mask)
         if self.use_turn_scores:
             for i, cache in enumerate(caches):
-                rewards = [e["reward"] for e in cache["history"] if "llm_response" in e]
+                rewards = [turn.reward for turn in turns(cache["history"])]
                 ends = turn_ends(roles[i : i + 1, 1:] == SAMPLED)[0].nonzero().flatten().tolist()
                 for reward, end in zip(rewards, ends):
                     scores[i, end] = float(reward)
                 if ends:
                     scores[i, ends[-1]] += cache["penalty"]
             return scores
-        returns = torch.tensor([sum(e.get("reward", 0.0) for e in c["history"]) + c["penalty"] for c in caches])
+        returns = torch.tensor([sum(turn.reward for turn in turns(c["history"])) + c["penalty"] for c in caches])
         normalized = normalize_scores(returns, self._group_keys(caches), self.normalization["method"])
         last = (loss_mask.shape[1] - 1) - loss_mask.flip(-1).argmax(-1)
         scores[torch.arange(len(caches)), last] = normalized.to(scores.dtype)
@@ -196,12 +195,12 @@ class ContextManager:
 
 def turn_states(cache: Mapping) -> list[str]:
     """The environment's render before each turn the model took (GiGPO's anchor states)."""
-    return [entry["state"] for entry in cache["history"] if "llm_response" in entry]
+    return [turn.state for turn in turns(cache["history"])]
 
 
 def turn_rewards(cache: Mapping) -> list[float]:
     """The environment reward of each turn the model took, the format penalty added to the last one."""
-    rewards = [float(entry["reward"]) for entry in cache["history"] if "llm_response" in entry]
+    rewards = [float(turn.reward) for turn in turns(cache["history"])]
     if rewards:
         rewards[-1] += cache["penalty"]
     return rewards

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from SPA_agent.envs import make_env
+from SPA_agent.rollout.turns import Observation, Turn, as_entry, read_entry
 
 
 @dataclass
@@ -133,7 +134,7 @@ class EnvStateManager:
             entry.rewards, entry.infos = [], []
         self.cache = [
             {"env_id": e.env_id, "group_id": e.group_id, "tag": e.tag, "seed": e.seed, "penalty": 0.0,
-             "history": [{"state": e.env.render(), "actions_left": e.max_actions_per_traj}]}
+             "history": [as_entry(Observation(e.env.render(), e.max_actions_per_traj))]}
             for e in self.entries
         ]
         return self.cache
@@ -171,13 +172,14 @@ class EnvStateManager:
             entry.terminated, entry.truncated = True, not info.get("success", False)
         elif entry.num_actions >= entry.max_actions_per_traj:
             entry.terminated, entry.truncated = True, True
-        cache["history"][-1].update(
-            actions=executed, reward=reward, info=info, llm_response=env_input.llm_response,
-            llm_raw_response=env_input.llm_raw_response, parsed=env_input.parsed,
-            response_ids=env_input.response_ids,
-        )
+        shown = read_entry(cache["history"][-1])
+        cache["history"][-1].update(as_entry(Turn(
+            shown.state, shown.actions_left, actions=executed, reward=reward, info=info,
+            llm_response=env_input.llm_response, llm_raw_response=env_input.llm_raw_response,
+            parsed=env_input.parsed, response_ids=env_input.response_ids,
+        )))
         cache["history"].append(
-            {"state": entry.env.render(), "actions_left": entry.max_actions_per_traj - entry.num_actions}
+            as_entry(Observation(entry.env.render(), entry.max_actions_per_traj - entry.num_actions))
         )
 
     @staticmethod

@@ -11,6 +11,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from SPA_agent.rollout.turns import transitions
 from SPA_agent.runs.dir_lock import check_unlocked
 from SPA_agent.worldmodel import ACCURACY_KEYS, extract_states, has_worldmodel_format, turn_accuracy
 
@@ -133,11 +134,8 @@ def trajectory_stats(states: list[Mapping]) -> BatchStats:
         stats.successes += int(record["metrics"][f"{record['tag']}/success"] > 0)
         stats.seeds = sorted(set(stats.seeds) | {int(record["seed"])})
         stats.tags = sorted(set(stats.tags) | {record["tag"]})
-        history = record["history"]
-        for t in range(len(history) - 1):
-            parsed = history[t].get("parsed") or {}
-            stats.add_turn(history[t]["llm_response"], parsed.get("format_ok", False),
-                           history[t]["state"], history[t + 1]["state"])
+        for turn, after in transitions(record["history"]):
+            stats.add_turn(turn.llm_response, turn.format_ok, turn.state, after)
     return stats
 
 

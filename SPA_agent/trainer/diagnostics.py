@@ -24,6 +24,7 @@ from verl import DataProto
 from verl.trainer.ppo import core_algos
 from verl.utils import torch_functional as verl_F
 
+from SPA_agent.rollout.turns import turns
 from SPA_agent.trainer import input_dependence as dep
 from SPA_agent.trainer.token_spans import SPANS, SpanLabeler, token_decoder
 
@@ -64,11 +65,12 @@ def distinct_ratios(responses: Sequence[Hashable], group_ids: Sequence[int]) -> 
 
 def rollout_diagnostics(states: Sequence[Mapping]) -> dict[str, float]:
     """Format-valid rate and distinct ratios of a finished rollout (`Rollout.states`, one record per env)."""
-    turns = [entry for state in states for entry in state["history"] if "llm_response" in entry]
-    responses = [tuple(tuple(e["response_ids"]) for e in s["history"] if "llm_response" in e) for s in states]
+    per_state = [turns(state["history"]) for state in states]
+    responses = [tuple(tuple(turn.response_ids) for turn in taken) for taken in per_state]
     metrics = distinct_ratios(responses, [s["group_id"] for s in states])
-    if turns:
-        metrics["diag/format_valid"] = float(np.mean([bool(e["parsed"]["format_ok"]) for e in turns]))
+    format_ok = [turn.format_ok for taken in per_state for turn in taken]
+    if format_ok:
+        metrics["diag/format_valid"] = float(np.mean(format_ok))
     return metrics
 
 

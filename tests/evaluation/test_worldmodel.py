@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from SPA_agent.rollout.turns import Observation, Turn, as_entry
 from SPA_agent.worldmodel import (
     extract_states,
     parse_state,
@@ -96,10 +97,14 @@ def test_turn_accuracy_uses_first_blocks_and_zero_for_missing_one():
 
 
 def test_worldmodel_accuracy_aggregates_per_tag():
+    def turn(state: str, raw: str) -> dict:
+        return as_entry(Turn(state, 10, actions=["Down"], reward=0.0, info={}, llm_response=raw,
+                             llm_raw_response=raw, parsed={"format_ok": True}, response_ids=[1]))
+
     history = [
-        {"state": SOKOBAN_S0, "llm_raw_response": response(SOKOBAN_S0, SOKOBAN_S1)},
-        {"state": SOKOBAN_S1, "llm_raw_response": "<answer>Up</answer>"},
-        {"state": SOKOBAN_S1},
+        turn(SOKOBAN_S0, response(SOKOBAN_S0, SOKOBAN_S1)),
+        turn(SOKOBAN_S1, "<answer>Up</answer>"),
+        as_entry(Observation(SOKOBAN_S1, 8)),
     ]
     metrics = worldmodel_accuracy([{"tag": "SimpleSokoban", "history": history}], prefix="val-env/")
     assert metrics["val-env/SimpleSokoban/worldmodel/format_rate"] == 0.5

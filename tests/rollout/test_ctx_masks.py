@@ -14,9 +14,11 @@ def _trajectory(tok):
         "env_id": 0, "group_id": 0, "tag": "SimpleSokoban", "seed": 123, "penalty": -0.1,
         "history": [
             {"state": "#P#", "actions_left": 10, "llm_response": "<think>a</think><answer>Up</answer>",
-             "llm_raw_response": "<think>a</think><answer>Up</answer>", "reward": -0.1, "response_ids": turn1},
+             "llm_raw_response": "<think>a</think><answer>Up</answer>", "reward": -0.1, "response_ids": turn1,
+             "actions": ["Up"], "info": {}, "parsed": {"format_ok": True}},
             {"state": "#_P", "actions_left": 9, "llm_response": "<think>b</think><answer>Left",
-             "llm_raw_response": "<think>b</think><answer>Left", "reward": 10.9, "response_ids": turn2},
+             "llm_raw_response": "<think>b</think><answer>Left", "reward": 10.9, "response_ids": turn2,
+             "actions": ["Left"], "info": {}, "parsed": {"format_ok": False}},
             {"state": "#P_", "actions_left": 8},
         ],
     }

@@ -3,6 +3,7 @@ parse, EnvStateManager.step, batch), only the generator is a fixed script."""
 
 from SPA_agent.generators.base import FINISH_STOP, Generation
 from SPA_agent.rollout.agent_proxy import LLMAgentProxy
+from SPA_agent.rollout.turns import rendered_states, turns
 
 
 class FixedResponse:
@@ -22,10 +23,10 @@ def test_sudoku_rollout_with_a_non_ascii_digit_move_does_not_raise(tiny_config, 
     )
     rollout = proxy.rollout(val=False)
     for state in rollout.states:
-        turns = [entry for entry in state["history"] if "llm_response" in entry]
-        assert len(turns) == cfg.agent_proxy.max_turn
-        assert all(turn["actions"] == ["²,1,1"] for turn in turns)
-        assert all(turn["info"]["action_is_valid"] is False for turn in turns)
-        assert {entry["state"] for entry in state["history"]} == {state["history"][0]["state"]}
+        taken = turns(state["history"])
+        assert len(taken) == cfg.agent_proxy.max_turn
+        assert all(turn.actions == ["²,1,1"] for turn in taken)
+        assert all(turn.info["action_is_valid"] is False for turn in taken)
+        assert len(set(rendered_states(state["history"]))) == 1
     assert rollout.metrics["Sudoku/action_is_valid"] == 0.0
     assert rollout.metrics["Sudoku/success"] == 0.0

@@ -62,7 +62,8 @@ def _cache(tok) -> dict:
     for k, body in enumerate(["a</think><answer>Up</answer>", "b</think><answer>Left</answer>"]):
         raw = "<think>" + body
         history.append({"state": f"#P{k}", "actions_left": 10 - k, "llm_response": raw, "llm_raw_response": raw,
-                        "reward": -0.1, "response_ids": _enc(tok, body) + [tok.eos_token_id]})
+                        "reward": -0.1, "response_ids": _enc(tok, body) + [tok.eos_token_id],
+                        "actions": ["Up"], "info": {}, "parsed": {"format_ok": True}})
     history.append({"state": "#P2", "actions_left": 8})
     return {"env_id": 0, "group_id": 0, "tag": "SimpleSokoban", "seed": 1, "penalty": 0.0, "history": history}
 

@@ -12,6 +12,7 @@ from SPA_agent.generators.base import FINISH_STOP, Generation, Prompt
 from SPA_agent.plots import plot_diagnostics
 from SPA_agent.rollout.agent_proxy import LLMAgentProxy
 from SPA_agent.rollout.chat_tokens import ChatTokenizer
+from SPA_agent.rollout.turns import Observation, Turn, as_entry, turns
 from SPA_agent.trainer import input_dependence as dep
 from SPA_agent.trainer.diagnostics import (
     Diagnostics,
@@ -103,11 +104,11 @@ def test_span_entropies_weighted_by_their_share_sum_to_the_whole_on_a_real_batch
     labels = diagnostics.labeler.batch(t["input_ids"], t["response_mask"])
     # every assistant turn of every row is labelled on its own, behind its own forced prefix
     for row, state in enumerate(rollout.states):
-        turns = [e["response_ids"] for e in state["history"] if "llm_response" in e]
+        taken = turns(state["history"])
         runs = turn_runs(t["response_mask"][row])
-        assert len(runs) == len(turns) == 2
-        for (start, end), ids in zip(runs, turns):
-            assert labels[row, start:end].tolist() == diagnostics.labeler.turn(ids)
+        assert len(runs) == len(taken) == 2
+        for (start, end), turn in zip(runs, taken):
+            assert labels[row, start:end].tolist() == diagnostics.labeler.turn(turn.response_ids)
     assert (labels[t["response_mask"] == 0] == OTHER).all()
     assert set(labels[t["response_mask"].bool()].tolist()) == {STATE, REASONING, ANSWER, OTHER}
     metrics = span_entropy_metrics(t["entropys"], t["response_mask"], labels)
@@ -126,9 +127,10 @@ def test_distinct_ratios_on_known_vectors():
 
 
 def test_rollout_diagnostics_count_format_valid_turns_and_distinct_trajectories():
-    def state(group, *turns):
+    def state(group, *played):
         return {"group_id": group, "history": [
-            {"llm_response": "x", "response_ids": ids, "parsed": {"format_ok": ok}} for ids, ok in turns] + [{}]}
+            as_entry(Turn("#P", 10, ["Up"], 0.0, {}, "x", "x", {"format_ok": ok}, ids)) for ids, ok in played
+        ] + [as_entry(Observation("#P", 8))]}
 
     states = [state(0, ([1, 2], True), ([3], False)), state(0, ([1, 2], True), ([3], True)),
               state(1, ([1, 2], True), ([3], False))]

@@ -8,6 +8,7 @@ from omegaconf import OmegaConf
 from SPA_agent.config import compose
 from SPA_agent.generators import build_generator
 from SPA_agent.rollout.agent_proxy import LLMAgentProxy
+from SPA_agent.rollout.turns import turns
 from SPA_agent.trainer.verl_episode import Episode, check_supported
 
 
@@ -22,11 +23,9 @@ def _replay(config, tokenizer, state, prefix):
     """Feed one recorded trajectory's sampled turns to a fresh Episode; the prompt ids seen at each turn."""
     episode = Episode(config, tokenizer, state["tag"], state["seed"])
     prompts = []
-    for entry in state["history"]:
-        if "response_ids" not in entry:
-            break
+    for turn in turns(state["history"]):
         prompts.append(episode.prompt_ids())
-        episode.step(entry["response_ids"], entry["llm_raw_response"][len(prefix):], finished=True)
+        episode.step(turn.response_ids, turn.llm_raw_response[len(prefix):], finished=True)
     return episode, prompts
 
 

@@ -1,0 +1,68 @@
+"""Typed views of an env's rollout history (`Rollout.states[i]["history"]`, docs/interfaces.md).
+
+The history itself stays a list of plain dicts: the env-state manager writes them and they are what callers
+hold and copy. Readers go through `read_entry` instead of testing for keys: an entry is either an
+`Observation` (the render the model is shown, before it answers) or a `Turn` (that observation plus what the
+model answered and what its actions did). Every entry but the last of a finished history is a Turn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class Observation:
+    """A history entry the model has not answered yet: the render it is shown and the actions it has left."""
+
+    state: str
+    actions_left: int
+
+
+@dataclass(frozen=True)
+class Turn(Observation):
+    """A turn the model took: the observation it answered, its response and the env's outcome.
+
+    The fields share the entry's objects (no copies), so a Turn reads the rollout exactly as recorded.
+    """
+
+    actions: list[str]  # the action names the env executed (unknown names dropped, cut at actions_left)
+    reward: float  # the env reward summed over those actions
+    info: dict  # the env's step infos merged
+    llm_response: str  # the normalized response (the text written to SFT data)
+    llm_raw_response: str  # what the model produced, forced prefix included
+    parsed: dict  # parsing.ParsedResponse.as_dict(): think, answer, observation, prediction, format_ok
+    response_ids: list[int] | None  # the sampled token ids, end-of-turn included when emitted
+
+    @property
+    def format_ok(self) -> bool:
+        return bool(self.parsed["format_ok"])
+
+
+def read_entry(entry: Mapping) -> Observation | Turn:
+    """The typed view of one history entry; a Turn once the model's response is recorded in it."""
+    if "llm_response" in entry:
+        return Turn(**{f.name: entry[f.name] for f in fields(Turn)})
+    return Observation(entry["state"], entry["actions_left"])
+
+
+def as_entry(record: Observation | Turn) -> dict:
+    """The history dict of `record` (the keys `read_entry` reads, in field order)."""
+    return {f.name: getattr(record, f.name) for f in fields(record)}
+
+
+def turns(history: Iterable[Mapping]) -> list[Turn]:
+    """The turns the model took, in order."""
+    return [entry for entry in map(read_entry, history) if isinstance(entry, Turn)]
+
+
+def rendered_states(history: Iterable[Mapping]) -> list[str]:
+    """Every render of the trajectory, the initial one to the last."""
+    return [read_entry(entry).state for entry in history]
+
+
+def transitions(history: Sequence[Mapping]) -> list[tuple[Turn, str]]:
+    """Each turn with the render after it: `history[t]["state"]` / `history[t+1]["state"]` bracket turn t."""
+    entries = [read_entry(entry) for entry in history]
+    return [(entry, after.state) for entry, after in zip(entries, entries[1:]) if isinstance(entry, Turn)]
