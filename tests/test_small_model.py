@@ -15,12 +15,13 @@ from SPA_agent.config import compose
 from SPA_agent.tiny import SMALL_SHAPE, resolve_model_path
 
 REPO = Path(__file__).resolve().parents[1]
-#: CPU sizes on the bandit (config/_bandit.yaml: one turn, ~190-token prompts): 2 × 2 envs, one PPO step
+#: CPU sizes on the bandit (config/_bandit.yaml: one turn, ~190-token prompts): 2 × 2 envs, one PPO step, 32 new
+#: tokens per answer (the from-scratch model rarely ends one, and its preset allows 256)
 CPU_SIZES = [
     "es_manager.train.env_groups=2", "es_manager.train.group_size=2", "es_manager.train.env_configs.n_groups=[2]",
     "es_manager.val.env_groups=1", "es_manager.val.group_size=2", "es_manager.val.env_configs.n_groups=[1]",
     "ppo_mini_batch_size=2", "micro_batch_size_per_gpu=2", "actor_rollout_ref.rollout.rollout_filter_ratio=1",
-    "trainer.test_freq=0", "evaluation.n=2", "evaluation.k=[1,2]", "evaluation.bootstrap_resamples=20",
+    "trainer.test_freq=0", "actor_rollout_ref.rollout.response_length=32", "evaluation.n=2", "evaluation.k=[1,2]", "evaluation.bootstrap_resamples=20",
     "evaluation.write_plots=false",
 ]
 

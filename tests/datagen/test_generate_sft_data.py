@@ -27,6 +27,8 @@ from SPA_agent.generate_sft_data import (
 from SPA_agent.worldmodel import extract_states
 
 ENV_CONFIGS = {"_2_sokoban": "sokoban", "_3_frozen_lake": "frozen_lake", "_10_sudoku": "sudoku"}
+#: data.max_length of stage 2 for the tiny and small presets (sft/finetune_ft.sh)
+TINY_SFT_MAX_LENGTH = 4096
 
 
 def data_gen_config(config_name, out_dir, *overrides, num_batches=2):
@@ -74,7 +76,7 @@ def check_substitution_by_replay(cfg, out_dir, require_states=True):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config_name", sorted(ENV_CONFIGS))
-def test_random_generator_end_to_end(config_name, tmp_path):
+def test_random_generator_end_to_end(config_name, tmp_path, tiny_tokenizer):
     cfg = data_gen_config(config_name, tmp_path / "data", "generator=random")
     card = generate(cfg)
     out = tmp_path / "data"
@@ -90,6 +92,13 @@ def test_random_generator_end_to_end(config_name, tmp_path):
     assert card["seeds"] == {"first": 10000, "last": 10007, "distinct_puzzles": 8}
     assert json.loads((out / CARD_FILE).read_text())["num_rows"] == card["num_rows"]
     assert not (out / PARTIAL_DIR).exists() and (out / "config.yaml").is_file()
+    # stage 2 keeps every row whole at the SFT length sft/finetune_ft.sh gives the embedded tokenizer (5-turn
+    # Sudoku rows are the longest)
+    from sft.spa_sft_dataset import SpaSftDataset
+
+    for name in DATA_FILES:
+        data = SpaSftDataset(str(out / name), tiny_tokenizer, max_length=TINY_SFT_MAX_LENGTH)
+        assert data.truncation_report.as_dict()["rows_truncated"] == 0
 
 
 @pytest.mark.slow
