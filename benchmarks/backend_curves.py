@@ -4,13 +4,15 @@
 
 Reads every `<backend>_seed<s>.jsonl` there and draws, per step, the validation success, the mean training
 score, the policy's entropy and the approximate KL of the actor update (old vs new policy), one line per run
-(colour = backend). Prints the same numbers as a markdown table (steps with validation only for the success).
+(colour = backend); validation success with its 95% Wilson interval over --val-episodes episodes (the bandit's
+16 groups × 4). Prints the same numbers as a markdown table (steps with validation only for the success).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 PANELS = (("val-env/Bandit/success", "validation success"), ("critic/score/mean", "mean training score"),
@@ -29,7 +31,21 @@ def curve(records: list[dict], key: str) -> dict[int, float]:
     return {r["step"]: r[key] for r in records if key in r}
 
 
-def markdown(runs: dict[str, list[dict]]) -> str:
+def wilson(rate: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a success rate over n episodes."""
+    centre = (rate + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(rate * (1 - rate) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return centre - half, centre + half
+
+
+def cell(key: str, value: float, episodes: int) -> str:
+    if key != PANELS[0][0]:
+        return f"{value:.3f}"
+    low, high = wilson(value, episodes)
+    return f"{value:.2f} [{low:.2f}, {high:.2f}]"
+
+
+def markdown(runs: dict[str, list[dict]], episodes: int) -> str:
     lines = []
     for key, title in PANELS:
         steps = sorted({s for records in runs.values() for s in curve(records, key)})
@@ -37,7 +53,8 @@ def markdown(runs: dict[str, list[dict]]) -> str:
                   "|---|" + "---|" * len(steps)]
         for name, records in runs.items():
             values = curve(records, key)
-            lines.append(f"| {name} | " + " | ".join(f"{values[s]:.3f}" if s in values else "" for s in steps) + " |")
+            cells = (cell(key, values[s], episodes) if s in values else "" for s in steps)
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
 
@@ -46,6 +63,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("directory", type=Path)
     parser.add_argument("--out", type=Path, default=Path("backend_curves.png"))
+    parser.add_argument("--val-episodes", type=int, default=64, help="episodes per validation (the interval's n)")
     args = parser.parse_args()
     runs = read_runs(args.directory)
     if not runs:
@@ -60,14 +78,18 @@ def main() -> None:
         for name, records in runs.items():
             values = curve(records, key)
             backend = name.split("_seed")[0]
-            ax.plot(list(values), list(values.values()), marker="o", ms=3, color=COLOURS.get(backend),
-                    label=name, alpha=0.85)
+            steps, ys = list(values), list(values.values())
+            ax.plot(steps, ys, marker="o", ms=3, color=COLOURS.get(backend), label=name, alpha=0.85)
+            if key == PANELS[0][0]:
+                bounds = [wilson(y, args.val_episodes) for y in ys]
+                ax.fill_between(steps, [b[0] for b in bounds], [b[1] for b in bounds], color=COLOURS.get(backend),
+                                alpha=0.12)
         ax.set_title(title)
         ax.set_xlabel("PPO step")
     axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(args.out, dpi=120)
-    print(markdown(runs))
+    print(markdown(runs, args.val_episodes))
 
 
 if __name__ == "__main__":

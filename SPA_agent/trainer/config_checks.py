@@ -47,7 +47,8 @@ def _check_batch_sizes(cfg: DictConfig) -> None:
     kept = kept_groups * train.group_size
     for name, role in (("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor), ("critic", cfg.critic)):
         mini, micro = role.ppo_mini_batch_size, role.ppo_micro_batch_size_per_gpu
-        if micro * n_gpus > mini or mini % (micro * n_gpus):
+        # with token budgets (use_dynamic_bsz) the micro-batches are cut by tokens, not by this count
+        if not role.use_dynamic_bsz and (micro * n_gpus > mini or mini % (micro * n_gpus)):
             raise ValueError(
                 f"{name}.ppo_micro_batch_size_per_gpu ({micro}) × n_gpus ({n_gpus}) must be ≤ and divide "
                 f"{name}.ppo_mini_batch_size ({mini}); lower micro_batch_size_per_gpu or change ppo_mini_batch_size"

@@ -18,7 +18,7 @@ def test_entry_configs_pass_the_checks(config_name):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["micro_batch_size_per_gpu=3"], "must be ≤ and divide"),
+    (["use_dynamic_bsz=False", "micro_batch_size_per_gpu=3"], "must be ≤ and divide"),
     (["ppo_mini_batch_size=128"], "which actor_rollout_ref.actor.ppo_mini_batch_size"),
     (["model=tiny", "ppo_mini_batch_size=3"], "the filtered batch has 4 trajectories"),
     (["actor_rollout_ref.rollout.rollout_filter_ratio=0.01"], "keeps no group"),
@@ -36,6 +36,15 @@ def test_entry_configs_pass_the_checks(config_name):
 def test_bad_settings_fail_with_a_message_naming_them(overrides, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         check_config(compose("_2_sokoban", overrides))
+
+
+def test_token_budgets_free_the_micro_batch_count_from_the_mini_batch():
+    # the bandit's 8 trajectories per micro-batch on 2 GPUs exceed its mini-batch of 8: refused only when the
+    # micro-batches are cut by that count (issue 28's parity run on two GPUs met it)
+    two_gpus = ["trainer.backend=verl", "trainer.n_gpus_per_node=2", "algorithm.adv_estimator=gae"]
+    check_config(compose("_bandit", two_gpus))
+    with pytest.raises(ValueError, match="must be ≤ and divide"):
+        check_config(compose("_bandit", [*two_gpus, "use_dynamic_bsz=False"]))
 
 
 def _write_models(directory):
