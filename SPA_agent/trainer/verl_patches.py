@@ -1,12 +1,22 @@
-"""A fix to verl 0.9.1, applied in every Ray worker process (Ray's `worker_process_setup_hook`, see verl_backend).
+"""Fixes to verl 0.9.1, applied in every Ray worker process (Ray's `worker_process_setup_hook`, see verl_backend).
 
-verl loads the critic's value model with `attn_implementation="flash_attention_2"` hard-coded
-(`verl.utils.model.load_valuehead_model`), so the critic cannot start where flash-attn is not installed, although
-the actor honours `model.override_config.attn_implementation`. `apply` makes the value model load with the
-attention implementation of its config instead (sdpa without flash-attn, see `verl_config._derived`).
+1. verl loads the critic's value model with `attn_implementation="flash_attention_2"` hard-coded
+   (`verl.utils.model.load_valuehead_model`), so the critic cannot start where flash-attn is not installed,
+   although the actor honours `model.override_config.attn_implementation`. The value model now loads with the
+   attention implementation of its config (sdpa without flash-attn, see `verl_config._derived`).
+2. Without flash-attn's cross-entropy kernel, verl's `logprobs_from_logits` falls back to `logprobs_from_logits_v2`,
+   which loops over the leading dimension to save memory. Its FSDP engine passes (tokens, vocab) logits, so that
+   is one logsumexp (or log-softmax) per token, forward and backward: on two H100s the actor's log-prob passes and
+   update took 5-9x the local backend's time (benchmarks/RESULTS.md, issue 28). `logprobs_from_logits` below does
+   the same sum in chunks of rows.
 """
 
 from __future__ import annotations
+
+import torch
+
+#: rows (tokens) per logsumexp in `logprobs_from_logits`: 2,048 × a 152k vocabulary is 1.2 GB of float32
+LOGPROB_CHUNK_ROWS = 2048
 
 
 def load_valuehead_model(local_path, torch_dtype, model_config, trust_remote_code):
@@ -18,12 +28,32 @@ def load_valuehead_model(local_path, torch_dtype, model_config, trust_remote_cod
         attn_implementation=model_config._attn_implementation, trust_remote_code=trust_remote_code)
 
 
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_backward: bool = True) -> torch.Tensor:
+    """log softmax(logits)[label] for logits (..., vocab) and labels (...), as verl's function of the same name
+    (its `inplace_backward` only concerns flash-attn's kernel): the label's logit minus the logsumexp of its row,
+    in float32, LOGPROB_CHUNK_ROWS rows at a time."""
+    flat_logits, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+    if flat_labels.numel() == 0:
+        return flat_logits.new_zeros(labels.shape, dtype=torch.float32)
+    return torch.cat([_label_logprobs(chunk, label) for chunk, label in
+                      zip(flat_logits.split(LOGPROB_CHUNK_ROWS), flat_labels.split(LOGPROB_CHUNK_ROWS))]).reshape(labels.shape)
+
+
+def _label_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = logits.float()
+    return logits.gather(-1, labels[:, None]).squeeze(-1) - logits.logsumexp(-1)
+
+
 def apply() -> None:
     import os
 
     import verl.utils.model as verl_model
+    import verl.utils.torch_functional as verl_functional
+    from verl.workers.engine.fsdp import transformer_impl
 
     verl_model.load_valuehead_model = load_valuehead_model
+    if not verl_functional.FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE:  # flash-attn's kernel is vectorised already
+        verl_functional.logprobs_from_logits = transformer_impl.logprobs_from_logits = logprobs_from_logits
     if os.environ.get("SPA_VERL_LOG_DEVICES") == "1":
         log_device_placement()
 

@@ -12,17 +12,25 @@ from SPA_agent.config import compose
 from SPA_agent.trainer import verl_backend, verl_config, verl_patches
 
 
-def test_value_model_loads_with_the_configs_attention(tiny_dir):
+@pytest.fixture
+def patched_verl(monkeypatch):
+    """verl with `apply()` run in this process, put back as it was afterwards."""
+    import verl.utils.model as verl_model
+    import verl.utils.torch_functional as verl_functional
+    from verl.workers.engine.fsdp import transformer_impl
+
+    monkeypatch.setattr(verl_model, "load_valuehead_model", verl_model.load_valuehead_model)
+    for module in (verl_functional, transformer_impl):
+        monkeypatch.setattr(module, "logprobs_from_logits", module.logprobs_from_logits)
+    verl_patches.apply()
+
+
+def test_value_model_loads_with_the_configs_attention(tiny_dir, patched_verl):
     import verl.utils.model as verl_model
 
-    original = verl_model.load_valuehead_model
-    try:
-        verl_patches.apply()
-        config = AutoConfig.from_pretrained(tiny_dir, attn_implementation="sdpa")
-        config.num_labels = 1  # as verl's FSDP engine sets it for a value model
-        model = verl_model.load_valuehead_model(str(tiny_dir), torch.float32, config, False)
-    finally:
-        verl_model.load_valuehead_model = original
+    config = AutoConfig.from_pretrained(tiny_dir, attn_implementation="sdpa")
+    config.num_labels = 1  # as verl's FSDP engine sets it for a value model
+    model = verl_model.load_valuehead_model(str(tiny_dir), torch.float32, config, False)
     assert type(model).__name__ == "Qwen2ForTokenClassification"
     assert model.config._attn_implementation == "sdpa" and model.score.out_features == 1
 
@@ -36,3 +44,34 @@ def test_every_ray_worker_runs_the_patch_and_sees_the_gpus_as_configured(all_gpu
     assert "TOKENIZERS_PARALLELISM" in env["env_vars"]  # verl's own runtime environment is kept
     # one GPU visible per worker made NCCL stop with "Duplicate GPU detected" on 2× H200 (issue 16)
     assert (env["env_vars"].get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES") == "1") is all_gpus_visible
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(37,), (3, 29)])
+def test_chunked_logprobs_equal_verls_row_loop_in_value_and_gradient(monkeypatch, dtype, shape):
+    # issue 28: verl's fallback without flash-attn loops over the (tokens, vocab) rows one kernel at a time
+    from verl.utils.torch_functional import logprobs_from_logits_v2
+
+    monkeypatch.setattr(verl_patches, "LOGPROB_CHUNK_ROWS", 8)  # several chunks and a ragged last one
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(*shape, 50)).to(dtype)
+    labels = torch.randint(0, 50, shape)
+    ours_in, theirs_in = logits.clone().float().requires_grad_(), logits.clone().float().requires_grad_()
+    ours = verl_patches.logprobs_from_logits(ours_in.to(dtype), labels)
+    theirs = logprobs_from_logits_v2(theirs_in, labels)  # verl's float32 path, the reference
+    assert ours.shape == labels.shape and ours.dtype == torch.float32
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5 if dtype == torch.float32 else 1e-4)
+    weights = torch.randn(shape)
+    (ours * weights).sum().backward()
+    (theirs * weights).sum().backward()
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(ours_in.grad, theirs_in.grad, rtol=0, atol=tolerance)
+
+
+def test_the_patch_replaces_verls_log_prob_function_where_its_engine_reads_it(patched_verl):
+    import verl.utils.torch_functional as verl_functional
+    from verl.workers.engine.fsdp import transformer_impl
+
+    assert verl_functional.FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE is False  # no flash-attn on this machine
+    assert transformer_impl.logprobs_from_logits is verl_patches.logprobs_from_logits
+    assert verl_functional.logprobs_from_logits is verl_patches.logprobs_from_logits
