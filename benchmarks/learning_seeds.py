@@ -8,7 +8,10 @@ test_ppo_learns_a_three_turn_bandit (the config's estimator, gae). Makes the tes
 --out/<test>), then runs the test's PPO for every estimator × seed × thread count, each in its own process
 (`trainer.seed` and `generator.seed`: the critic's initialisation and the sampling; `torch.set_num_threads`), and
 prints the validation success by step and whether the last step reached the test's target, then a markdown table
-(docs/ppo.md "Seed table"). Runs already in --out are read back, not rerun.
+(docs/ppo.md "Seed table"). Runs already in --out are read back, not rerun. `--override KEY=VALUE` (repeatable)
+is passed to every PPO run after the test's overrides, e.g. `--override actor_rollout_ref.actor.optim.lr=5e-4`.
+Run directories are named by estimator, seed and threads only, so give each set of overrides its own --out; one
+holding a copy of another --out's <test>/sft_checkpoint.txt reuses that SFT checkpoint.
 """
 
 from __future__ import annotations
@@ -75,6 +78,8 @@ def main() -> None:
     parser.add_argument("--estimators", nargs="+", help="of the test's estimators (default: all of them)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
+    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override of every PPO run (repeatable)")
     args = parser.parse_args()
     test = TESTS[args.test]
     estimators = args.estimators or list(test.variants)
@@ -93,7 +98,7 @@ def main() -> None:
             for seed in args.seeds:
                 run_dir = root / f"{estimator}_seed{seed}_threads{threads}"
                 overrides = [f"model_path={checkpoint}", *test.variants[estimator], f"trainer.seed={seed}",
-                             f"generator.seed={seed}", f"trainer.default_local_dir={run_dir}"]
+                             f"generator.seed={seed}", *args.override, f"trainer.default_local_dir={run_dir}"]
                 curve = curve_of(run_dir)
                 if not curve:
                     done = subprocess.run([sys.executable, "-c", PPO_RUN, str(threads), CONFIG, *overrides],
