@@ -31,7 +31,7 @@ from test_learning import (  # noqa: E402
     CONFIG,
     LONG_ROWS,
     MULTI_TURN,
-    MULTI_TURN_STEPS,
+    MULTI_TURN_PPO,
     MULTI_TURN_TARGET,
     SUCCESS,
     TARGET,
@@ -60,7 +60,7 @@ class LearningTest(NamedTuple):
 TESTS = {
     "one_turn": LearningTest([], [], VARIANTS, TARGET),
     "three_turn": LearningTest(MULTI_TURN, LONG_ROWS,
-                               {"gae": [*MULTI_TURN, f"trainer.total_training_steps={MULTI_TURN_STEPS}"]},
+                               {"gae": [*MULTI_TURN, *MULTI_TURN_PPO]},
                                MULTI_TURN_TARGET),
 }
 
