@@ -45,7 +45,7 @@ def experiment(tmp_path_factory):
     return out
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # about 3 minutes with the next test (every stage of three arms): not in CI's default run
 def test_three_arms_run_end_to_end_then_skip_on_rerun(experiment):
     out = experiment
 
@@ -104,7 +104,7 @@ def logged_argv(log):
     return shlex.split(header)[3:]
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_from_runs_only_ppo_from_the_earlier_experiments_sft(experiment):
     """A GRPO sweep --from the completed experiment: its data and SFT are linked, not made again; its settings are
     inherited; PPO starts from its SFT checkpoint. One arm keeps it short."""
