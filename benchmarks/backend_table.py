@@ -4,7 +4,9 @@
 
 Steady = the median over the steps after the first --skip (the first step pays CUDA-graph captures, compilation
 and allocator warm-up). Rows: the driver's phases (`timing_s/<phase>`, ppo_trainer.py), the step, and the step's
-sampled tokens; the last column is the second run's time over the first's.
+sampled tokens; the last column is the second run's time over the first's. The verl backend's own rows are parts
+of the driver's: `rollout_wake` (weight sync and engine resume) of `gen`, `rollout_sleep` (engine release) of
+`old_log_prob`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import json
 import statistics
 from pathlib import Path
 
-PHASES = ("gen", "filter", "old_log_prob", "ref", "diagnostics", "values", "adv", "update_critic", "update_actor")
+PHASES = ("gen", "rollout_wake", "filter", "old_log_prob", "rollout_sleep", "ref", "diagnostics", "values", "adv",
+          "update_critic", "update_actor")
 
 
 def steady(path: Path, skip: int) -> dict[str, float]:

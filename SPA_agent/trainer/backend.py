@@ -43,6 +43,9 @@ class WorkerGroup(Protocol):
     def update_actor(self, batch: DataProto) -> dict[str, float]:
         """Reads old_log_probs, advantages, response_mask (and ref_log_prob for a KL loss); `actor/*` metrics."""
 
+    def step_timings(self) -> dict[str, float]:
+        """Seconds of the backend's own work inside the step's phases since the last call (`timing_s/<name>`)."""
+
     def save(self, directory: Path) -> None:
         """Write `directory/actor` (Hugging Face dir + tokenizer + optimizer) and `directory/critic`."""
 

@@ -321,6 +321,9 @@ class LocalBackend:
 
     # ---------------------------------------------------------------- checkpoints
 
+    def step_timings(self) -> dict[str, float]:
+        return {}  # every phase is the driver's call
+
     def save(self, directory: Path) -> None:
         """`<role>/`: Hugging Face model (merged under LoRA, plus `adapter/`), tokenizer, optimizer state."""
         for role, trainable in self._trainables().items():

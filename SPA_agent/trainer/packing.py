@@ -10,7 +10,9 @@ A rollout batch is (B, T), left padded. Two independent choices (verl's names):
 
 Packed rows run through `packed_sdpa_attention`: per layer, one causal SDPA call per trajectory over its own
 tokens, so no token attends across a trajectory boundary and no (L, L) mask is computed over. Outputs are
-scattered back to the padded (b, T-1) layout, so the losses see exactly the tensors of the padded path.
+scattered back to the padded (b, T-1) layout, so the losses see exactly the tensors of the padded path. The same
+attention serves verl's packed micro-batches without flash-attn (`verl_patches`), which mark the trajectories only
+by restarting `position_ids`.
 """
 
 from __future__ import annotations
@@ -94,13 +96,17 @@ class PackedRows:
 def packed_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers attention function: per-trajectory causal SDPA on packed rows, plain SDPA otherwise.
 
-    With `spa_segments` (the packed forward), query (1, H, L, D) and key/value (1, H_kv, L, D) are split into
-    the trajectories' spans, each attends causally to itself only. Without it (padded batches, generation) this
-    is transformers' SDPA attention with the mask it was given. Returns (1, L, H, D) and no weights.
+    A packed row is marked by `spa_segments` (the local backend's packed forward) or, without a mask, by
+    `position_ids` that restart (verl's remove-padding forward, see `packed_segments`). Query (1, H, L, D) and
+    key/value (1, H_kv, L, D) are then split into the trajectories' spans, each attending causally to itself
+    only. Otherwise (padded batches, generation) this is transformers' SDPA attention with the mask it was given.
+    Returns (1, L, H, D) and no weights.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     segments = kwargs.pop(SEGMENTS_KWARG, None)
+    if segments is None and attention_mask is None:
+        segments = packed_segments(kwargs.get("position_ids"), query.shape[2], key.shape[2])
     if segments is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
@@ -114,13 +120,38 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0
     return torch.cat(outputs, dim=1), None
 
 
+#: (position_ids, its segments) of the last packed row seen: every layer of a forward gets the same tensor, so the
+#: lengths are read to the host once per forward, not once per layer
+_last_segments: tuple[torch.Tensor | None, tuple[int, ...] | None] = (None, None)
+
+
+def packed_segments(position_ids: torch.Tensor | None, q_length: int, kv_length: int) -> tuple[int, ...] | None:
+    """Token counts of the sequences packed into one row, from its `position_ids` (1, L): a sequence starts
+    wherever the position does not follow the previous one by 1 (transformers' `find_packed_sequence_indices`).
+    None for anything but a single row of L queries over its own L keys, or a row holding one sequence."""
+    global _last_segments
+    if position_ids is None or position_ids.dim() != 2 or position_ids.shape[0] != 1:
+        return None
+    if not q_length == kv_length == position_ids.shape[1]:
+        return None
+    if _last_segments[0] is not position_ids:
+        starts = torch.ones_like(position_ids[0], dtype=torch.bool)
+        starts[1:] = position_ids[0, 1:] - position_ids[0, :-1] != 1
+        bounds = starts.nonzero().squeeze(-1).tolist() + [position_ids.shape[1]]
+        lengths = tuple(end - start for start, end in zip(bounds[:-1], bounds[1:]))
+        _last_segments = (position_ids, lengths if len(lengths) > 1 else None)
+    return _last_segments[1]
+
+
 def packed_sdpa_mask(*args, attention_mask=None, **kwargs):
-    """transformers mask builder: SDPA's, except without an `attention_mask` (packed rows, whose attention
-    splits them by trajectory; or unpadded rows, which SDPA runs causally without a mask): then no mask, so no
-    (L, L) block-diagonal mask is built for a packed row."""
+    """transformers mask builder: SDPA's, except for queries over their own keys without an `attention_mask`
+    (packed rows, whose attention splits them by trajectory; or unpadded rows, which SDPA runs causally without a
+    mask): then no mask, so no (L, L) block-diagonal mask is built for a packed row."""
     from transformers.masking_utils import sdpa_mask
 
-    return None if attention_mask is None else sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+    if attention_mask is None and kwargs.get("q_length") == kwargs.get("kv_length"):
+        return None
+    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
 
 
 def avoid_cudnn_attention() -> None:
@@ -131,13 +162,18 @@ def avoid_cudnn_attention() -> None:
     torch.backends.cuda.enable_cudnn_sdp(False)
 
 
-def enable_packed_attention(model: nn.Module) -> None:
-    """Route `model`'s attention through `packed_sdpa_attention` (registered once, with `packed_sdpa_mask` so
-    padded batches keep their masks). The setting is not saved with the checkpoint."""
+def register_packed_attention() -> None:
+    """Make `PACKED_ATTENTION` an attention implementation of transformers in this process (with
+    `packed_sdpa_mask`, so padded batches keep their masks); models name it in `attn_implementation`."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     if PACKED_ATTENTION not in AttentionInterface._global_mapping:
         AttentionInterface.register(PACKED_ATTENTION, packed_sdpa_attention)
         ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_ATTENTION, packed_sdpa_mask)
+
+
+def enable_packed_attention(model: nn.Module) -> None:
+    """Route `model`'s attention through `packed_sdpa_attention`. The setting is not saved with the checkpoint."""
+    register_packed_attention()
     model.config._attn_implementation = PACKED_ATTENTION

@@ -104,6 +104,7 @@ class PPOTrainer:
             with timer("update_actor"):
                 metrics.update(self.backend.update_actor(batch))
         metrics.update(data_metrics(batch))
+        metrics.update(self.backend.step_timings())
         metrics["perf/total_num_tokens"] = float(batch.batch["attention_mask"].sum())
         return metrics
 

@@ -30,6 +30,7 @@ from verl.utils import tensordict_utils as tu
 
 from SPA_agent.generators.base import FINISH_LENGTH, FINISH_STOP, Generation, Prompt
 from SPA_agent.trainer import verl_layout as vl
+from SPA_agent.trainer.metrics import PhaseTimer
 from SPA_agent.trainer.verl_config import INSTALL_HINT, build_verl_config, check_verl_config
 
 #: metric names of verl's workers → ours (as the local backend logs them)
@@ -170,6 +171,7 @@ class VerlBackend:
         self.workers = VerlWorkers(self.verl_cfg, self.has_ref and not self.ref_in_actor)
         self._rollout_awake = False
         self._actor_updates = 0
+        self._timer = PhaseTimer()
 
     # ---------------------------------------------------------------- generation
 
@@ -179,7 +181,8 @@ class VerlBackend:
         rollout = self.cfg.actor_rollout_ref.rollout
         self.stop_ids = model_stop_ids(self.verl_cfg.actor_rollout_ref.model.path, self.tokenizer)
         return {"temperature": float(rollout.temperature), "top_p": float(rollout.top_p), "top_k": int(rollout.top_k),
-                "max_tokens": int(rollout.response_length), "stop_token_ids": list(self.stop_ids)}
+                "max_tokens": int(rollout.response_length), "stop_token_ids": list(self.stop_ids),
+                **request_options(self.cfg.verl_backend.rollout_name)}
 
     def generate(self, prompts: list[Prompt]) -> list[Generation]:
         """One turn for every prompt, on verl's rollout servers with the actor's current weights."""
@@ -202,14 +205,21 @@ class VerlBackend:
     def _wake_rollout(self) -> None:
         """Sync the FSDP actor's weights into the engine and resume it (verl's naive checkpoint engine)."""
         if not self._rollout_awake:
-            self.workers.checkpoints.update_weights(self._actor_updates)
+            with self._timer("rollout_wake"):  # inside the driver's `gen`
+                self.workers.checkpoints.update_weights(self._actor_updates)
             self._rollout_awake = True
 
     def _sleep_rollout(self) -> None:
         """Free the engine's weights and KV cache for the training passes."""
         if self._rollout_awake:
-            self.workers.checkpoints.sleep_replicas()
+            with self._timer("rollout_sleep"):  # inside the first training pass after `gen`
+                self.workers.checkpoints.sleep_replicas()
             self._rollout_awake = False
+
+    def step_timings(self) -> dict[str, float]:
+        """Weight sync and engine resume (`rollout_wake`), engine release (`rollout_sleep`)."""
+        timings, self._timer = self._timer.metrics(), PhaseTimer()
+        return timings
 
     # ---------------------------------------------------------------- inference passes
 
@@ -286,6 +296,17 @@ def conversation_key(prompt: Prompt) -> str:
     state), find their shared prefix in that engine's prefix cache instead of prefilling it again elsewhere.
     """
     return hashlib.sha1(json.dumps(prompt.messages[:2], sort_keys=True).encode()).hexdigest()
+
+
+def request_options(rollout_name: str) -> dict:
+    """Sampling options of every request for the engine: with vLLM, only the finished output, as token ids. verl's
+    server keeps only the last of vLLM's outputs of a request and the driver decodes the ids itself, so an output
+    per decoding step (vLLM's default) and its incremental detokenisation would be work for nothing."""
+    if rollout_name != "vllm":
+        return {}
+    from vllm.sampling_params import RequestOutputKind
+
+    return {"output_kind": RequestOutputKind.FINAL_ONLY, "detokenize": False}
 
 
 def update_meta(role_cfg: DictConfig, temperature: float, seed: int) -> dict:

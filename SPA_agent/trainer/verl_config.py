@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from SPA_agent.trainer.packing import PACKED_ATTENTION
+
 #: extra to install for this backend
 INSTALL_HINT = "pip install 'spa-agent[gpu]'"
 #: rollout engines verl serves in its hybrid (colocated) mode
@@ -88,21 +90,21 @@ def filtered_batch_size(cfg: DictConfig) -> int:
 
 
 def attention_settings(has_flash_attn: bool, remove_padding: str | bool = "auto") -> dict[str, object]:
-    """Attention of the actor, reference and critic models (verl path → value): flash_attention_2 where flash-attn
-    is installed, else sdpa; remove-padding (packed micro-batches) per `verl_backend.remove_padding`: `auto` = with
-    flash-attn only, `True`/`False` = always/never.
+    """Attention of the actor, reference and critic models (verl path → value) and whether their micro-batches are
+    packed (`use_remove_padding`, per `verl_backend.remove_padding`: `auto` and `True` pack, `False` pads).
 
     With `use_remove_padding`, verl's FSDP engine (`FSDPEngine.prepare_model_inputs`) concatenates a micro-batch's
     sequences into one row with restarting `position_ids`, no attention mask and `use_cache=False`; its unpad
-    helpers fall back to plain torch without flash-attn (`verl.utils.attention_utils`). transformers then reads the
-    sequence boundaries from the position ids: flash-attn's variable-length kernel, or for sdpa a block-diagonal
-    causal mask (dense, computed in full), so packed sequences never attend to each other either way. The sdpa
-    combination is checked on CPU only, so `auto` keeps it off.
+    helpers fall back to plain torch without flash-attn (`verl.utils.attention_utils`). The attention reads the
+    sequence boundaries from the position ids: flash-attn's variable-length kernel where flash-attn is installed,
+    else `packing.PACKED_ATTENTION` (one causal SDPA call per sequence, registered in every worker by
+    `verl_patches`). transformers' own sdpa would build a dense (L, L) block-diagonal mask and attend over all of
+    it. Padded micro-batches use flash_attention_2 or sdpa.
     """
     if remove_padding not in ("auto", True, False):
         raise ValueError(f"verl_backend.remove_padding must be auto, true or false, got {remove_padding!r}")
-    attention = "flash_attention_2" if has_flash_attn else "sdpa"
-    packed = has_flash_attn if remove_padding == "auto" else remove_padding
+    packed = remove_padding in ("auto", True)
+    attention = "flash_attention_2" if has_flash_attn else PACKED_ATTENTION if packed else "sdpa"
     return {f"{model}.{key}": value for model in ("actor_rollout_ref.model", f"{_CRITIC}.model")
             for key, value in (("override_config.attn_implementation", attention), ("use_remove_padding", packed))}
 

@@ -9,11 +9,16 @@
    is one logsumexp (or log-softmax) per token, forward and backward: on two H100s the actor's log-prob passes and
    update took 5-9x the local backend's time (benchmarks/RESULTS.md, issue 28). `logprobs_from_logits` below does
    the same sum in chunks of rows.
+3. Packed micro-batches (`use_remove_padding`) without flash-attn name `packing.PACKED_ATTENTION` as their
+   attention (`verl_config.attention_settings`), registered here; and SDPA leaves out cuDNN, which plans anew for
+   every sequence length (`packing.avoid_cudnn_attention`, as the local backend does).
 """
 
 from __future__ import annotations
 
 import torch
+
+from SPA_agent.trainer.packing import avoid_cudnn_attention, register_packed_attention
 
 #: rows (tokens) per logsumexp in `logprobs_from_logits`: 2,048 × a 152k vocabulary is 1.2 GB of float32
 LOGPROB_CHUNK_ROWS = 2048
@@ -52,6 +57,8 @@ def apply() -> None:
     from verl.workers.engine.fsdp import transformer_impl
 
     verl_model.load_valuehead_model = load_valuehead_model
+    register_packed_attention()
+    avoid_cudnn_attention()
     if not verl_functional.FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE:  # flash-attn's kernel is vectorised already
         verl_functional.logprobs_from_logits = transformer_impl.logprobs_from_logits = logprobs_from_logits
     if os.environ.get("SPA_VERL_LOG_DEVICES") == "1":

@@ -12,6 +12,7 @@ from SPA_agent.trainer.packing import (
     PackedRows,
     avoid_cudnn_attention,
     micro_batch_plan,
+    packed_segments,
     plan_by_count,
     plan_by_tokens,
 )
@@ -63,6 +64,26 @@ def test_avoid_cudnn_attention_leaves_sdpa_without_cudnn_only():
                 torch.backends.cuda.math_sdp_enabled()) == before[1:]
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before[0])
+
+
+@pytest.mark.parametrize("positions, segments", [
+    ([0, 1, 2, 0, 1, 0, 1, 2, 3], (3, 2, 4)),
+    ([0, 1, 2, 0], (3, 1)),
+    ([4, 5, 6, 0, 1], (3, 2)),  # a sequence need not start at position 0 (transformers' rule: any break)
+    ([0, 1, 2, 3], None),  # one sequence: not packed
+    ([7, 8, 9], None),
+])
+def test_packed_segments_split_a_row_where_positions_break(positions, segments):
+    position_ids = torch.tensor([positions])
+    assert packed_segments(position_ids, len(positions), len(positions)) == segments
+    assert packed_segments(position_ids, len(positions), len(positions)) == segments  # read back from the memo
+
+
+def test_packed_segments_only_for_one_row_of_queries_over_its_own_keys():
+    assert packed_segments(None, 4, 4) is None
+    assert packed_segments(torch.tensor([[0, 1, 0, 1], [0, 1, 0, 1]]), 4, 4) is None  # two rows
+    assert packed_segments(torch.tensor([[0, 1, 0, 1]]), 1, 4) is None  # a decoding step over a cache
+    assert packed_segments(torch.tensor([[0, 1, 0, 1]]), 4, 6) is None
 
 
 def test_plan_by_count_is_consecutive_rows():

@@ -56,6 +56,44 @@ def test_conversation_key_routes_a_trajectorys_turns_and_its_group_together():
     assert conversation_key(Prompt(messages=[system, {"role": "user", "content": "#P__#"}], prompt_ids=[1])) != first
 
 
+def test_engine_wakes_once_per_rollout_and_reports_its_seconds():
+    """The weight sync and engine resume run once before the first turn after training, the release once before
+    the first training pass; their seconds come back once (issue 28: the phases they hide in)."""
+    from SPA_agent.trainer.metrics import PhaseTimer
+    from SPA_agent.trainer.verl_backend import VerlBackend
+
+    calls = []
+
+    class Checkpoints:
+        update_weights = staticmethod(lambda version: calls.append(("sync", version)))
+        sleep_replicas = staticmethod(lambda: calls.append(("sleep",)))
+
+    backend = object.__new__(VerlBackend)  # the engine bookkeeping only: no Ray workers
+    backend.workers = type("Workers", (), {"checkpoints": Checkpoints})()
+    backend._rollout_awake, backend._actor_updates, backend._timer = False, 3, PhaseTimer()
+    backend._wake_rollout(), backend._wake_rollout(), backend._sleep_rollout(), backend._sleep_rollout()
+    assert calls == [("sync", 3), ("sleep",)]
+    assert set(backend.step_timings()) == {"timing_s/rollout_wake", "timing_s/rollout_sleep"}
+    assert backend.step_timings() == {}
+
+
+def test_vllm_requests_ask_for_the_final_token_ids_only(monkeypatch):
+    import enum
+    import sys
+    import types
+
+    from SPA_agent.trainer.verl_backend import request_options
+
+    class RequestOutputKind(enum.Enum):  # vllm.sampling_params's (vLLM is not installed on CPU machines)
+        CUMULATIVE, DELTA, FINAL_ONLY = 0, 1, 2
+
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setitem(sys.modules, "vllm.sampling_params",
+                        types.SimpleNamespace(RequestOutputKind=RequestOutputKind))
+    assert request_options("vllm") == {"output_kind": RequestOutputKind.FINAL_ONLY, "detokenize": False}
+    assert request_options("sglang") == {}
+
+
 def test_runtime_problems_lists_each_missing_piece():
     assert runtime_problems("vllm", lambda name: True, cuda_available=True) == []
     assert runtime_problems("vllm", lambda name: name != "vllm", cuda_available=True) == ["vllm"]

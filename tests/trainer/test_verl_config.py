@@ -7,6 +7,7 @@ from omegaconf import OmegaConf
 from verl.utils.config import omega_conf_to_dataclass
 
 from SPA_agent.tiny import resolve_model_path
+from SPA_agent.trainer.packing import PACKED_ATTENTION
 from SPA_agent.trainer import verl_config as vc
 
 OVERRIDES = (
@@ -170,11 +171,13 @@ def test_bad_settings_name_the_key(override, message):
         vc.check_verl_config(cfg, vc.build_verl_config(cfg))
 
 
-@pytest.mark.parametrize("has_flash_attn, attention", [(True, "flash_attention_2"), (False, "sdpa")])
-@pytest.mark.parametrize("remove_padding", ["auto", True, False])
-def test_attention_follows_flash_attn_availability(has_flash_attn, attention, remove_padding):
+@pytest.mark.parametrize("has_flash_attn, remove_padding, attention, packed", [
+    (True, "auto", "flash_attention_2", True), (True, True, "flash_attention_2", True),
+    (True, False, "flash_attention_2", False),
+    (False, "auto", PACKED_ATTENTION, True), (False, True, PACKED_ATTENTION, True), (False, False, "sdpa", False),
+])
+def test_attention_follows_flash_attn_and_packing(has_flash_attn, remove_padding, attention, packed):
     settings = vc.attention_settings(has_flash_attn, remove_padding)
-    packed = has_flash_attn if remove_padding == "auto" else remove_padding
     for model in ("actor_rollout_ref.model", "critic.model"):
         assert settings[f"{model}.override_config.attn_implementation"] == attention
         assert settings[f"{model}.use_remove_padding"] is packed
@@ -185,32 +188,42 @@ def test_remove_padding_setting_is_checked():
         vc.attention_settings(False, "yes")
 
 
-def test_without_flash_attn_verl_builds_sdpa_models(configs):
+def test_without_flash_attn_verl_builds_packed_models(configs):
     # this CPU machine has no flash-attn: verl's typed model configs must not ask for it (they did: issue 16), and
-    # `auto` keeps sdpa on padded micro-batches (the combination that ran on GPUs)
+    # `auto` packs micro-batches through the per-sequence attention (issue 28)
     _, verl_cfg = configs
     for model in (verl_cfg.actor_rollout_ref.model, verl_cfg.critic.model):
         typed = omega_conf_to_dataclass(model)
-        assert typed.hf_config._attn_implementation == "sdpa" and typed.use_remove_padding is False
+        assert typed.hf_config._attn_implementation == PACKED_ATTENTION and typed.use_remove_padding is True
     # the actor's own flag interpolates the model's (what engine_workers hands the reference and actor engines)
-    assert verl_cfg.actor_rollout_ref.actor.use_remove_padding is False
+    assert verl_cfg.actor_rollout_ref.actor.use_remove_padding is True
 
 
-def test_remove_padding_inputs_keep_sequences_apart_with_sdpa(tiny_dir):
+@pytest.mark.parametrize("attention", ["sdpa", PACKED_ATTENTION])
+def test_remove_padding_inputs_keep_sequences_apart(tiny_dir, attention):
     """verl's remove-padding forward without flash-attn: the micro-batch as one row (`values()` of the jagged
-    input_ids / position_ids, as FSDPEngine.prepare_model_inputs builds it), no attention mask, use_cache=False,
-    sdpa. Each sequence's logits must equal those of the sequence run alone."""
+    input_ids / position_ids, as FSDPEngine.prepare_model_inputs builds it), no attention mask, use_cache=False.
+    Each sequence's logits and gradients must equal those of the sequence run alone, with transformers' sdpa (a
+    dense block-diagonal mask) and with the per-sequence attention the verl backend uses (issue 28)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32, attn_implementation="sdpa")
+    from SPA_agent.trainer import packing
+
+    packing.register_packed_attention()
+    packing._last_segments = (None, None)
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32, attn_implementation=attention)
     g = torch.Generator().manual_seed(0)
     sequences = [torch.randint(3, 800, (n,), generator=g) for n in (23, 61, 9)]
     input_ids = torch.nested.nested_tensor(sequences, layout=torch.jagged)
     position_ids = torch.nested.nested_tensor([torch.arange(len(s)) for s in sequences], layout=torch.jagged)
-    with torch.no_grad():
-        packed = model(input_ids=input_ids.values().unsqueeze(0), attention_mask=None,
-                       position_ids=position_ids.values().unsqueeze(0), use_cache=False).logits[0]
-        alone = [model(input_ids=s[None], use_cache=False).logits[0] for s in sequences]
+    packed = model(input_ids=input_ids.values().unsqueeze(0), attention_mask=None,
+                   position_ids=position_ids.values().unsqueeze(0), use_cache=False).logits[0]
+    if attention == PACKED_ATTENTION:  # the row was split by its position ids, with no (L, L) mask
+        assert packing._last_segments[1] == (23, 61, 9)
+    packed_grads = torch.autograd.grad(packed.logsumexp(-1).sum(), model.model.embed_tokens.weight)[0]
+    alone = [model(input_ids=s[None], use_cache=False).logits[0] for s in sequences]
+    alone_grads = torch.autograd.grad(sum(a.logsumexp(-1).sum() for a in alone), model.model.embed_tokens.weight)[0]
     for start, end, logits in zip(input_ids.offsets()[:-1], input_ids.offsets()[1:], alone):
         torch.testing.assert_close(packed[start:end], logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(packed_grads, alone_grads, atol=1e-4, rtol=1e-4)

@@ -1,4 +1,5 @@
-"""The verl fix applied in every Ray worker: the critic's value model loads without flash-attn (issue 16)."""
+"""The verl fixes applied in every Ray worker: the critic's value model loads without flash-attn (issue 16); log-probs
+in chunks, packed micro-batches through the per-sequence attention, SDPA without cuDNN (issue 28)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from transformers import AutoConfig
 
 from SPA_agent.config import compose
 from SPA_agent.trainer import verl_backend, verl_config, verl_patches
+from SPA_agent.trainer.packing import PACKED_ATTENTION
 
 
 @pytest.fixture
@@ -22,17 +24,31 @@ def patched_verl(monkeypatch):
     monkeypatch.setattr(verl_model, "load_valuehead_model", verl_model.load_valuehead_model)
     for module in (verl_functional, transformer_impl):
         monkeypatch.setattr(module, "logprobs_from_logits", module.logprobs_from_logits)
+    cudnn = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)
     verl_patches.apply()
+    yield
+    torch.backends.cuda.enable_cudnn_sdp(cudnn)
 
 
-def test_value_model_loads_with_the_configs_attention(tiny_dir, patched_verl):
+@pytest.mark.parametrize("attention", ["sdpa", PACKED_ATTENTION])
+def test_value_model_loads_with_the_configs_attention(tiny_dir, patched_verl, attention):
     import verl.utils.model as verl_model
 
-    config = AutoConfig.from_pretrained(tiny_dir, attn_implementation="sdpa")
+    config = AutoConfig.from_pretrained(tiny_dir, attn_implementation=attention)
     config.num_labels = 1  # as verl's FSDP engine sets it for a value model
     model = verl_model.load_valuehead_model(str(tiny_dir), torch.float32, config, False)
     assert type(model).__name__ == "Qwen2ForTokenClassification"
-    assert model.config._attn_implementation == "sdpa" and model.score.out_features == 1
+    assert model.config._attn_implementation == attention and model.score.out_features == 1
+
+
+def test_workers_pack_through_the_per_sequence_attention_without_cudnn(tiny_dir, patched_verl):
+    # what verl's FSDP engine builds for the actor and reference: the causal LM named by the config
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, attn_implementation=PACKED_ATTENTION)
+    assert model.config._attn_implementation == PACKED_ATTENTION
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
 
 
 @pytest.mark.parametrize("all_gpus_visible", [True, False])
