@@ -1,0 +1,238 @@
+"""verl's FSDP engine packs micro-batches (`use_remove_padding`) through `packing.PACKED_ATTENTION` without
+flash-attn: its log-probs, entropies, gradient and update equal those of padded micro-batches through SDPA.
+
+The engine (`FSDPEngineWithLMHead`, built from the typed configs of the project's verl config as verl's
+`ActorRolloutRefWorker.init_model` / `TrainingWorker` build them) runs in a child process on the CPU: one gloo rank,
+verl's platform replaced by a CPU one (verl 0.9.1 ships cuda/npu/rocm platforms only), and FSDP2 in place of the
+configured FSDP1, which refuses to run without an accelerator ("FSDP needs a non-CPU accelerator device"). The child
+keeps the platform, the process group and verl's patches (`verl_patches.apply`, as every Ray worker runs it) out of
+the test process. The remove-padding code under test (`prepare_model_inputs` / `prepare_model_outputs`) is the same
+for both FSDP versions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+#: real tokens of the three left-padded rows, and the padded width
+LENGTHS = (7, 11, 5)
+WIDTH = 12
+ATOL = 1e-4
+
+
+@pytest.mark.slow
+def test_verl_fsdp_engine_packs_through_the_per_sequence_attention(tmp_path):
+    out = tmp_path / "result.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run([sys.executable, __file__, str(out)], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=240, check=False)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    r = json.loads(out.read_text())
+
+    # the packed engine is the project's: remove padding, our attention; the reference pads through SDPA
+    assert r["packed"]["engine"] == r["padded"]["engine"] == "FSDPEngineWithLMHead"
+    assert (r["packed"]["attention"], r["packed"]["use_remove_padding"]) == ("spa_packed_sdpa", True)
+    assert (r["padded"]["attention"], r["padded"]["use_remove_padding"]) == ("sdpa", False)
+    # the packed forwards (log-probs and training step) ran as one row split into the three trajectories
+    assert r["packed"]["segments"] == r["packed"]["train_segments"] == list(LENGTHS)
+    assert r["padded"]["segments"] is None and r["padded"]["train_segments"] is None
+
+    mask = torch.tensor(r["response_mask"], dtype=torch.float32)
+    assert mask.sum(dim=-1).tolist() == [n - 1 for n in LENGTHS]
+    for key in ("log_probs", "entropy", "log_probs_after_update"):
+        packed, padded = (torch.tensor(r[run][key]) * mask for run in ("packed", "padded"))
+        assert torch.allclose(packed, padded, atol=ATOL, rtol=0), (key, (packed - padded).abs().max())
+    # a real model, and a real update: log-probs are not uniform, and the step moved them the same way
+    log_probs = torch.tensor(r["packed"]["log_probs"])[mask.bool()]
+    assert log_probs.max() - log_probs.min() > 0.1
+    moved = (torch.tensor(r["packed"]["log_probs_after_update"]) - torch.tensor(r["packed"]["log_probs"])) * mask
+    assert moved.abs().max() > 10 * ATOL
+    grad_norms = [r[run]["grad_norm"] for run in ("packed", "padded")]
+    assert grad_norms[0] > 0 and grad_norms[0] == pytest.approx(grad_norms[1], rel=1e-4)
+    assert r["packed"]["pg_loss"] == pytest.approx(r["padded"]["pg_loss"], abs=ATOL)
+
+
+# ------------------------------------------------------------------------------------------------ the child process
+
+
+def _cpu_platform():
+    """verl's device abstraction on the CPU (verl picks `nvidia` when it finds no accelerator)."""
+    from contextlib import contextmanager
+
+    from verl.plugin.platform.platform_base import PlatformBase
+
+    class CpuDeviceModule:
+        """torch.cpu, with the CUDA memory queries verl logs answered with zeros."""
+
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return getattr(torch.cpu, name) if hasattr(torch.cpu, name) else (lambda *args, **kwargs: 0)
+
+        def mem_get_info(self, *args):
+            return 0, 1
+
+    class PlatformCPU(PlatformBase):
+        device_name = "cpu"
+        vendor_name = "cpu"
+        device_module = CpuDeviceModule()
+
+        def is_available(self): return True
+        def current_device(self): return torch.device("cpu")
+        def device_count(self): return 1
+        def set_device(self, device_index): pass
+        def synchronize(self, device_index=None): pass
+        def manual_seed(self, seed): torch.manual_seed(seed)
+        def manual_seed_all(self, seed): torch.manual_seed(seed)
+        def set_allocator_settings(self, settings): pass
+        def empty_cache(self): pass
+        def get_device_capability(self, device_index=0): return None, None
+        def communication_backend_name(self): return "gloo"
+        def visible_devices_envvar(self): return "CUDA_VISIBLE_DEVICES"
+        @contextmanager
+        def nvtx_range(self, msg): yield
+        def profiler_start(self): pass
+        def profiler_stop(self): pass
+        def ray_resource_name(self): return "CPU"
+        def ray_noset_envvars(self): return []
+        def is_ipc_supported(self): return False
+        def cudart(self): return None
+
+    return PlatformCPU()
+
+
+def _child(out: Path) -> None:
+    import socket
+    from functools import partial
+
+    torch.set_num_threads(1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # one rank; VERL_ENGINE_DEVICE picks the engine registered for cuda (the FSDP engines register cuda and npu)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                      VERL_ENGINE_DEVICE="cuda")
+    from verl.plugin.platform.platform_manager import set_platform
+
+    set_platform(_cpu_platform())  # before verl.workers.engine reads the device name at import
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+
+    from omegaconf import OmegaConf
+    from verl import DataProto
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import TrainingWorkerConfig
+    from verl.workers.engine import EngineRegistry
+    from verl.workers.utils.losses import ppo_loss
+
+    from SPA_agent.config import compose
+    from SPA_agent.trainer import packing, verl_patches
+    from SPA_agent.trainer import verl_layout as vl
+    from SPA_agent.trainer.verl_config import build_verl_config
+
+    verl_patches.apply()
+    cfg = compose("_2_sokoban", ["model=tiny", "trainer.backend=verl"])
+    verl_cfg = build_verl_config(cfg).actor_rollout_ref
+    assert verl_cfg.model.use_remove_padding and verl_cfg.model.override_config.attn_implementation == packing.PACKED_ATTENTION
+    actor_cfg = OmegaConf.to_container(verl_cfg.actor)
+    # CPU only: FSDP2 (FSDP1 needs an accelerator) and float32 compute (the config's mixed precision is bf16)
+    actor_cfg["strategy"] = actor_cfg["fsdp_config"]["strategy"] = "fsdp2"
+    actor_cfg["fsdp_config"]["mixed_precision"] = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
+
+    def engine(packed: bool):
+        model = OmegaConf.to_container(verl_cfg.model)
+        if not packed:
+            model["use_remove_padding"] = False
+            model["override_config"]["attn_implementation"] = "sdpa"
+        model_config = omega_conf_to_dataclass(OmegaConf.create(model))
+        actor = omega_conf_to_dataclass(OmegaConf.create(actor_cfg))
+        actor.model_config = model_config
+        config = TrainingWorkerConfig(model_type="language_model", model_config=model_config,
+                                      engine_config=actor.engine, optimizer_config=actor.optim,
+                                      checkpoint_config=actor.checkpoint)
+        e = config.engine_config  # as ActorRolloutRefWorker.init_model, then TrainingWorker.__init__
+        e.use_dynamic_bsz = verl_cfg.actor.use_dynamic_bsz
+        e.infer_max_token_len_per_gpu = verl_cfg.rollout.log_prob_max_token_len_per_gpu
+        e.infer_micro_batch_size_per_gpu = verl_cfg.rollout.log_prob_micro_batch_size_per_gpu
+        e.max_token_len_per_gpu = verl_cfg.actor.ppo_max_token_len_per_gpu
+        e.micro_batch_size_per_gpu = verl_cfg.actor.ppo_micro_batch_size_per_gpu
+        e.use_remove_padding = model_config.get("use_remove_padding", False)
+        e.use_fused_kernels = model_config.get("use_fused_kernels", False)
+        model_config.model_type = config.model_type
+        built = EngineRegistry.new(model_type=config.model_type, backend=e.strategy, model_config=model_config,
+                                   engine_config=e, optimizer_config=config.optimizer_config,
+                                   checkpoint_config=config.checkpoint_config)
+        built.initialize()
+        return built, actor
+
+    def engine_keys(built, training: bool) -> dict:
+        """What TrainingWorker.infer_batch / train_batch add to the batch."""
+        mc, ec = built.model_config, built.engine_config
+        return dict(use_remove_padding=mc.get("use_remove_padding", False), use_dynamic_bsz=ec.use_dynamic_bsz,
+                    max_token_len_per_gpu=ec.max_token_len_per_gpu if training else ec.infer_max_token_len_per_gpu,
+                    micro_batch_size_per_gpu=ec.micro_batch_size_per_gpu if training else ec.infer_micro_batch_size_per_gpu,
+                    use_fused_kernels=ec.use_fused_kernels)
+
+    g = torch.Generator().manual_seed(0)
+    mask = torch.zeros(len(LENGTHS), WIDTH, dtype=torch.long)
+    for row, n in enumerate(LENGTHS):
+        mask[row, WIDTH - n:] = 1
+    input_ids = torch.randint(3, 400, (len(LENGTHS), WIDTH), generator=g) * mask
+    response_mask = mask[:, 1:] * mask[:, :-1]  # every prediction of a real token from a real token
+    rollout = DataProto.from_dict(tensors={"input_ids": input_ids, "attention_mask": mask, "response_mask": response_mask})
+    advantages = torch.randn(len(LENGTHS), WIDTH - 1, generator=g) * response_mask
+
+    def forward(built) -> tuple[torch.Tensor, torch.Tensor]:
+        """VerlBackend.compute_log_prob on this engine: log-probs and entropies, (B, T-1) in our layout."""
+        data = vl.worker_input(rollout, ("response_mask",), temperature=1.0, calculate_entropy=True, compute_loss=False)
+        tu.assign_non_tensor(data, **engine_keys(built, training=False))
+        with built.eval_mode():
+            output = built.infer_batch(data, loss_function=None)["model_output"]
+        return tuple(vl.worker_output(output[key], data, mask).float() for key in ("log_probs", "entropy"))
+
+    def train(built, actor, old_log_probs) -> dict:
+        """VerlBackend.update_actor on this engine: one PPO mini-batch of the three rows."""
+        batch = DataProto.from_dict(tensors={"input_ids": input_ids, "attention_mask": mask,
+                                             "response_mask": response_mask, "old_log_probs": old_log_probs,
+                                             "advantages": advantages})
+        data = vl.worker_input(batch, ("response_mask", "old_log_probs", "advantages"), calculate_entropy=True,
+                               compute_loss=True, distillation_use_topk=False, distillation_only=False,
+                               temperature=1.0, global_batch_size=len(LENGTHS))
+        tu.assign_non_tensor(data, **engine_keys(built, training=True))
+        with built.train_mode():
+            return built.train_batch(data, loss_function=partial(ppo_loss, config=actor))["metrics"]
+
+    results, reference = {}, None
+    for name, packed in (("padded", False), ("packed", True)):
+        built, actor = engine(packed)
+        packing._last_segments = (None, None)
+        log_probs, entropy = forward(built)
+        segments = packing._last_segments[1]
+        if reference is None:
+            reference = log_probs  # both engines' update starts from the same old log-probs
+        packing._last_segments = (None, None)
+        metrics = train(built, actor, reference)
+        train_segments = packing._last_segments[1]
+        after, _ = forward(built)
+        results[name] = {
+            "engine": type(built).__name__, "attention": built.module.config._attn_implementation,
+            "use_remove_padding": bool(built.use_remove_padding), "segments": segments,
+            "train_segments": train_segments, "log_probs": log_probs.tolist(), "entropy": entropy.tolist(),
+            "log_probs_after_update": after.tolist(), "grad_norm": float(metrics["grad_norm"]),
+            "pg_loss": float(metrics["actor/pg_loss"].aggregate()),
+        }
+    results["response_mask"] = response_mask.tolist()
+    out.write_text(json.dumps(results))
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _child(Path(sys.argv[1]))
