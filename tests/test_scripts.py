@@ -37,8 +37,9 @@ def _assert_summary_printed(result: subprocess.CompletedProcess, eval_dir: Path)
 @pytest.mark.slow
 @pytest.mark.parametrize("config, tag, experiment", [
     ("_2_sokoban", "SimpleSokoban", "spa"),
-    # a named evaluation variant: SPA on FrozenLake 4x4, evaluated on 6x6
-    ("_3_frozen_lake", "FrozenLake6x6", "easy_to_hard"),
+    # a named evaluation variant: SPA on FrozenLake 4x4, evaluated on 6x6, and a refused rerun (issue 14); about
+    # 75 s, left out of CI's default run
+    pytest.param("_3_frozen_lake", "FrozenLake6x6", "easy_to_hard", marks=pytest.mark.extended),
     # about a minute: the longest rows (5-turn Sudoku) through every stage; left out of CI's default run
     pytest.param("_10_sudoku", "Sudoku", "spa", marks=pytest.mark.extended),
 ])

@@ -51,7 +51,7 @@ def test_model_small_preset_selects_the_embedded_model():
     assert cfg.model_size == "small"
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # about 50 s, left out of CI's default run (the suite must stay under 15 minutes)
 def test_run_spa_with_model_small_runs_every_stage_on_cpu(tmp_path):
     dirs = {"OUTPUT_DIR": tmp_path / "data", "CHECKPOINT_DIR": tmp_path / "sft", "BASE_DIR": tmp_path / "ppo",
             "EVAL_DIR": tmp_path / "evals"}
