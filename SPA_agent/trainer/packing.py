@@ -129,17 +129,17 @@ def packed_segments(position_ids: torch.Tensor | None, q_length: int, kv_length:
     """Token counts of the sequences packed into one row, from its `position_ids` (1, L): a sequence starts
     wherever the position does not follow the previous one by 1 (transformers' `find_packed_sequence_indices`).
     None for anything but a single row of L queries over its own L keys, or a row holding one sequence."""
+    from transformers.masking_utils import find_packed_sequence_indices
+
     global _last_segments
     if position_ids is None or position_ids.dim() != 2 or position_ids.shape[0] != 1:
         return None
     if not q_length == kv_length == position_ids.shape[1]:
         return None
     if _last_segments[0] is not position_ids:
-        starts = torch.ones_like(position_ids[0], dtype=torch.bool)
-        starts[1:] = position_ids[0, 1:] - position_ids[0, :-1] != 1
-        bounds = starts.nonzero().squeeze(-1).tolist() + [position_ids.shape[1]]
-        lengths = tuple(end - start for start, end in zip(bounds[:-1], bounds[1:]))
-        _last_segments = (position_ids, lengths if len(lengths) > 1 else None)
+        sequence_of_token = find_packed_sequence_indices(position_ids)  # None: one sequence
+        lengths = None if sequence_of_token is None else tuple(torch.bincount(sequence_of_token[0]).tolist())
+        _last_segments = (position_ids, lengths)
     return _last_segments[1]
 
 

@@ -7,8 +7,8 @@ from omegaconf import OmegaConf
 from verl.utils.config import omega_conf_to_dataclass
 
 from SPA_agent.tiny import resolve_model_path
-from SPA_agent.trainer.packing import PACKED_ATTENTION
 from SPA_agent.trainer import verl_config as vc
+from SPA_agent.trainer.packing import PACKED_ATTENTION
 
 OVERRIDES = (
     "trainer.backend=verl", "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
