@@ -157,8 +157,11 @@ def _metrics(raw: dict, prefix: str) -> dict[str, float]:
 class VerlBackend:
     """The worker group of `trainer.backend=verl` (see backend.WorkerGroup for the contract)."""
 
-    def __init__(self, cfg: DictConfig, tokenizer):
-        check_runtime(cfg)
+    def __init__(self, cfg: DictConfig, tokenizer, workers=None):
+        """`workers`: groups with VerlWorkers' `actor` and `critic` to drive instead of starting Ray and verl's
+        workers (benchmarks/train_passes.py runs them in its own processes, without a rollout engine)."""
+        if workers is None:
+            check_runtime(cfg)
         self.cfg, self.tokenizer = cfg, tokenizer
         self.verl_cfg = build_verl_config(cfg)
         check_verl_config(cfg, self.verl_cfg)
@@ -167,8 +170,10 @@ class VerlBackend:
         self.ref_in_actor = cfg.actor_rollout_ref.model.lora_rank > 0
         self.temperature = float(cfg.actor_rollout_ref.rollout.temperature)
         self.sampling = self._sampling_params()
-        start_ray(cfg.verl_backend, self.verl_cfg)
-        self.workers = VerlWorkers(self.verl_cfg, self.has_ref and not self.ref_in_actor)
+        if workers is None:
+            start_ray(cfg.verl_backend, self.verl_cfg)
+            workers = VerlWorkers(self.verl_cfg, self.has_ref and not self.ref_in_actor)
+        self.workers = workers
         self._rollout_awake = False
         self._actor_updates = 0
         self._timer = PhaseTimer()

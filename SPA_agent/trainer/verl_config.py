@@ -2,8 +2,8 @@
 
 The base is verl's own flattened default (`verl/trainer/config/_generated_ppo_trainer.yaml`, what verl's Hydra
 composition of `ppo_trainer` gives), so every key verl's workers look up exists with verl's default. On top of
-it go our values: the `COPIED` table (same meaning, our path → verl's path) and the derived keys of
-`_derived`. verl's own checks (`verl.utils.config.validate_config`, which builds its typed ActorConfig,
+it go our values: the `COPIED` table (same meaning, our path → verl's path), the derived keys of `_derived`, and
+last `verl_backend.verl_config`, verl keys a user sets directly. verl's own checks (`verl.utils.config.validate_config`, which builds its typed ActorConfig,
 CriticConfig and checks batch divisibility) then run on the result.
 
 Shapes the workers see: the filtered batch of `int(rollout_filter_ratio × env_groups) × group_size`
@@ -191,6 +191,7 @@ def build_verl_config(cfg: DictConfig) -> DictConfig:
         OmegaConf.update(verl_cfg, theirs, value, merge=False, force_add=True)
     for theirs, value in _derived(cfg).items():
         OmegaConf.update(verl_cfg, theirs, value, merge=False, force_add=True)
+    verl_cfg = OmegaConf.merge(verl_cfg, cfg.verl_backend.get("verl_config") or {})
     OmegaConf.resolve(verl_cfg)
     return verl_cfg
 

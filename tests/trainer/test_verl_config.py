@@ -227,3 +227,18 @@ def test_remove_padding_inputs_keep_sequences_apart(tiny_dir, attention):
     for start, end, logits in zip(input_ids.offsets()[:-1], input_ids.offsets()[1:], alone):
         torch.testing.assert_close(packed[start:end], logits, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(packed_grads, alone_grads, atol=1e-4, rtol=1e-4)
+
+
+def test_verl_config_keys_are_merged_last():
+    from SPA_agent.config import compose
+
+    cfg = compose("_2_sokoban", ["model=tiny", "+verl_backend.verl_config.actor_rollout_ref.actor.fsdp_config.forward_prefetch=true",
+                                 "+verl_backend.verl_config.critic.strategy=fsdp2",
+                                 # over a key our translation sets: the user's value wins
+                                 "+verl_backend.verl_config.actor_rollout_ref.actor.ppo_max_token_len_per_gpu=12345"])
+    verl_cfg = vc.build_verl_config(cfg)
+    assert verl_cfg.actor_rollout_ref.actor.fsdp_config.forward_prefetch is True
+    assert verl_cfg.critic.strategy == "fsdp2" and verl_cfg.actor_rollout_ref.actor.strategy == "fsdp"
+    assert verl_cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu == 12345
+    assert verl_cfg.critic.ppo_max_token_len_per_gpu == cfg.critic.ppo_max_token_len_per_gpu  # the rest is ours
+    assert vc.build_verl_config(compose("_2_sokoban", ["model=tiny"])).actor_rollout_ref.actor.fsdp_config.forward_prefetch is False

@@ -63,67 +63,12 @@ def test_verl_fsdp_engine_packs_through_the_per_sequence_attention(tmp_path):
 # ------------------------------------------------------------------------------------------------ the child process
 
 
-def _cpu_platform():
-    """verl's device abstraction on the CPU (verl picks `nvidia` when it finds no accelerator)."""
-    from contextlib import contextmanager
-
-    from verl.plugin.platform.platform_base import PlatformBase
-
-    class CpuDeviceModule:
-        """torch.cpu, with the CUDA memory queries verl logs answered with zeros."""
-
-        def __getattr__(self, name):
-            if name.startswith("__"):
-                raise AttributeError(name)
-            return getattr(torch.cpu, name) if hasattr(torch.cpu, name) else (lambda *args, **kwargs: 0)
-
-        def mem_get_info(self, *args):
-            return 0, 1
-
-    class PlatformCPU(PlatformBase):
-        device_name = "cpu"
-        vendor_name = "cpu"
-        device_module = CpuDeviceModule()
-
-        def is_available(self): return True
-        def current_device(self): return torch.device("cpu")
-        def device_count(self): return 1
-        def set_device(self, device_index): pass
-        def synchronize(self, device_index=None): pass
-        def manual_seed(self, seed): torch.manual_seed(seed)
-        def manual_seed_all(self, seed): torch.manual_seed(seed)
-        def set_allocator_settings(self, settings): pass
-        def empty_cache(self): pass
-        def get_device_capability(self, device_index=0): return None, None
-        def communication_backend_name(self): return "gloo"
-        def visible_devices_envvar(self): return "CUDA_VISIBLE_DEVICES"
-        @contextmanager
-        def nvtx_range(self, msg): yield
-        def profiler_start(self): pass
-        def profiler_stop(self): pass
-        def ray_resource_name(self): return "CPU"
-        def ray_noset_envvars(self): return []
-        def is_ipc_supported(self): return False
-        def cudart(self): return None
-
-    return PlatformCPU()
-
-
 def _child(out: Path) -> None:
-    import socket
     from functools import partial
 
-    torch.set_num_threads(1)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    # one rank; VERL_ENGINE_DEVICE picks the engine registered for cuda (the FSDP engines register cuda and npu)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                      VERL_ENGINE_DEVICE="cuda")
-    from verl.plugin.platform.platform_manager import set_platform
+    from verl_cpu import start_cpu_rank
 
-    set_platform(_cpu_platform())  # before verl.workers.engine reads the device name at import
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    start_cpu_rank()
 
     from omegaconf import OmegaConf
     from verl import DataProto

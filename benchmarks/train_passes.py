@@ -1,0 +1,213 @@
+"""The training passes of one PPO step on either backend, without generation: old log-probs, reference
+log-probs, values, critic update and actor update of a synthetic kept batch, timed pass by pass (issue 28).
+
+    python benchmarks/train_passes.py --model DIR --backend local [--set KEY=VALUE ...]
+    torchrun --nproc_per_node 2 benchmarks/train_passes.py --model DIR --backend verl [--set KEY=VALUE ...]
+
+The batch is shaped like the one the paper's step trains (`_2_sokoban`: 64 kept trajectories of about 2,540 tokens,
+58% of them sampled; random ids, left padded as the agent proxy pads). The passes are the backends' own methods:
+`LocalBackend` on one device, or `VerlBackend` driving verl's real workers (`ActorRolloutRefWorker` for the actor
+and for the reference, `TrainingWorker` for the critic, `verl_patches` applied) built in this process, one torchrun
+rank per GPU, each rank holding the contiguous share of the batch that verl's dispatch gives it. No Ray and no
+rollout engine: a setting's effect on the passes takes about a minute to measure, not a full run's four-minute
+start. `--set` overrides our config (Hydra syntax), verl's own keys through `verl_backend.verl_config`, e.g.
+`--set +verl_backend.verl_config.actor_rollout_ref.actor.strategy=fsdp2`.
+
+Prints one JSON line per repeat (seconds per pass, the slowest rank's) and the median of the repeats after the
+first (which includes warm-up); --out appends them to a JSON-lines file with the settings. --profile PASS prints
+that pass's 25 costliest GPU kernels in the last repeat (rank 0; "Self CUDA time total" against the pass's
+seconds tells how long the GPU sat idle).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from verl import DataProto
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from ppo_step import kernel_table  # noqa: E402
+
+from SPA_agent.config import compose  # noqa: E402
+
+#: the passes in the order a PPO step runs them
+PASSES = ("old_log_prob", "ref", "values", "update_critic", "update_actor")
+
+
+def synthetic_batch(trajectories: int, mean_tokens: int, spread: float, response_share: float, vocab: int,
+                    pad_id: int, seed: int) -> DataProto:
+    """Left-padded rows of random ids, lengths uniform within ±`spread` of `mean_tokens`; the last
+    `response_share` of each row's tokens are its sampled ones; advantages and returns are random."""
+    g = torch.Generator().manual_seed(seed)
+    low, high = int(mean_tokens * (1 - spread)), int(mean_tokens * (1 + spread))
+    lengths = torch.randint(low, high + 1, (trajectories,), generator=g)
+    width = int(lengths.max())
+    attention_mask = (torch.arange(width)[None, :] >= (width - lengths)[:, None]).long()
+    input_ids = torch.randint(3, vocab, (trajectories, width), generator=g) * attention_mask + pad_id * (1 - attention_mask)
+    first_response = width - (lengths.float() * response_share).long()
+    response_mask = (torch.arange(1, width)[None, :] >= first_response[:, None]).float()
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    advantages = torch.randn(trajectories, width - 1, generator=g) * response_mask
+    returns = torch.randn(trajectories, width - 1, generator=g) * response_mask
+    return DataProto.from_dict(tensors={"input_ids": input_ids, "attention_mask": attention_mask,
+                                        "position_ids": position_ids, "response_mask": response_mask,
+                                        "advantages": advantages, "returns": returns})
+
+
+class InProcess:
+    """A verl worker called in this process as its Ray worker group is called by VerlBackend: methods verl
+    registers as non-blocking return an object whose `get()` is the result; `routes` send a method to another
+    worker (the reference's log-probs to the reference worker)."""
+
+    def __init__(self, worker, routes: dict | None = None):
+        self.worker, self.routes = worker, routes or {}
+
+    def __getattr__(self, name):
+        from verl.single_controller.base.decorator import MAGIC_ATTR
+
+        method = getattr(self.routes.get(name, self.worker), name)
+        if getattr(method, MAGIC_ATTR, {}).get("blocking", True):
+            return method
+        return lambda *args, **kwargs: SimpleNamespace(get=lambda: method(*args, **kwargs))
+
+
+def verl_backend(cfg, tokenizer):
+    """VerlBackend over verl's workers built here (this rank's share of each model)."""
+    from functools import partial
+
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
+    from verl.workers.utils.losses import value_loss
+
+    from SPA_agent.trainer import verl_patches
+    from SPA_agent.trainer.verl_backend import VerlBackend, _critic_worker_config, ray_runtime_env
+    from SPA_agent.trainer.verl_config import build_verl_config
+
+    verl_cfg = build_verl_config(cfg)
+    for key, value in ray_runtime_env(verl_cfg, False)["env_vars"].items():  # what each Ray worker would see
+        os.environ.setdefault(key, str(value))
+    verl_patches.apply()
+    workers = {}
+    for role in ("actor", "ref") if cfg.actor_rollout_ref.actor.use_ref else ("actor",):
+        workers[role] = ActorRolloutRefWorker(copy.deepcopy(verl_cfg.actor_rollout_ref), role=role)
+        workers[role].init_model()
+    critic_cfg = omega_conf_to_dataclass(verl_cfg.critic)
+    critic = TrainingWorker(_critic_worker_config(critic_cfg))
+    critic.reset()
+    critic.set_loss_fn(partial(value_loss, config=critic_cfg))
+    ref = {"compute_ref_log_prob": workers["ref"]} if "ref" in workers else {}
+    group = SimpleNamespace(actor=InProcess(workers["actor"], ref), critic=InProcess(critic))
+    return VerlBackend(cfg, tokenizer, workers=group)
+
+
+def one_step(backend, batch: DataProto, sync, profile: str | None = None) -> dict[str, float]:
+    """Seconds of each pass of one PPO step on `batch` (values and old log-probs from the backend itself); the
+    pass named `profile` also prints its kernel table (its time then includes the profiler's overhead)."""
+    seconds = {}
+
+    def timed(name, fn, *args):
+        sync()
+        start = time.perf_counter()
+        with kernel_table(name == profile):
+            out = fn(*args)
+            sync()
+        seconds[name] = time.perf_counter() - start
+        return out
+
+    batch = batch.union(timed("old_log_prob", backend.compute_log_prob, batch))
+    if backend.has_ref:
+        batch = batch.union(timed("ref", backend.compute_ref_log_prob, batch))
+    batch = batch.union(timed("values", backend.compute_values, batch))
+    timed("update_critic", backend.update_critic, batch)
+    timed("update_actor", backend.update_actor, batch)
+    seconds["total"] = sum(seconds.values())
+    return seconds
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="Hugging Face model directory (benchmarks/random_model.py)")
+    parser.add_argument("--backend", choices=("local", "verl"), required=True)
+    parser.add_argument("--preset", default="qwen2.5-0.5b", help="model preset (config/model/) of the run's settings")
+    parser.add_argument("--repeats", type=int, default=4, help="steps to time; the first is warm-up")
+    parser.add_argument("--trajectories", type=int, default=64, help="kept trajectories of the step (all ranks)")
+    parser.add_argument("--tokens", type=int, default=2540, help="mean tokens per trajectory")
+    parser.add_argument("--spread", type=float, default=0.05, help="lengths uniform within ± this share")
+    parser.add_argument("--response-share", type=float, default=0.58, help="share of a row's tokens trained")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override of our config (repeatable)")
+    parser.add_argument("--profile", choices=PASSES, help="print this pass's kernel table in the last repeat (rank 0)")
+    parser.add_argument("--label", default="", help="name of this setting in the output")
+    parser.add_argument("--out", type=Path, help="JSON-lines file to append the results to")
+    args = parser.parse_args(argv)
+
+    from transformers import AutoTokenizer
+
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if args.backend == "local" and world > 1:
+        parser.error("the local backend runs one process: start it with python, not torchrun")
+    if args.trajectories % world:
+        parser.error(f"--trajectories ({args.trajectories}) must be a multiple of the {world} ranks")
+    cfg = compose("_2_sokoban", [f"model={args.preset}", f"model_path={args.model}", f"trainer.backend={args.backend}",
+                                 f"trainer.n_gpus_per_node={world}", f"trainer.device={'cuda' if cuda else 'cpu'}",
+                                 f"ppo_mini_batch_size={args.trajectories}", *args.overrides])
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    batch = synthetic_batch(args.trajectories, args.tokens, args.spread, args.response_share, len(tokenizer),
+                            tokenizer.pad_token_id, seed=0)
+    tokens = int(batch.batch["attention_mask"].sum())
+    share = args.trajectories // world
+    batch = batch[rank * share:(rank + 1) * share]  # verl's dispatch: contiguous chunks, one per data-parallel rank
+    if args.backend == "local":
+        from SPA_agent.trainer.local_backend import LocalBackend
+
+        backend = LocalBackend(cfg, tokenizer)
+    else:
+        backend = verl_backend(cfg, tokenizer)
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+        if distributed:
+            torch.distributed.barrier()
+
+    steps = []
+    for repeat in range(args.repeats):
+        profile = args.profile if repeat == args.repeats - 1 and rank == 0 else None
+        seconds = one_step(backend, copy.deepcopy(batch), sync, profile)  # a step adds its outputs to the batch
+        steps.append(seconds)
+        if rank == 0:
+            print(json.dumps({"label": args.label, "repeat": repeat, **{k: round(v, 4) for k, v in seconds.items()}}),
+                  flush=True)
+    if rank == 0:
+        steady = steps[1:] or steps
+        median = {key: statistics.median(s[key] for s in steady) for key in steady[0]}
+        peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+        summary = {"label": args.label, "backend": args.backend, "gpus": world, "median_s": median,
+                   "steps": steps, "peak_gib": round(peak, 2), "overrides": args.overrides,
+                   "device": torch.cuda.get_device_name() if cuda else "cpu",
+                   "tokens": tokens}
+        print("median of repeats 2+: " + "  ".join(f"{k} {v:.3f}" for k, v in median.items()), flush=True)
+        if args.out:
+            with args.out.open("a") as f:
+                f.write(json.dumps(summary) + "\n")
+    if distributed:
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

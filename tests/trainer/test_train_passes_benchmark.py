@@ -1,0 +1,64 @@
+"""benchmarks/train_passes.py at CI size on both backends, so the script cannot rot.
+
+The verl backend's workers (actor and critic) run in a child process on the CPU as in test_verl_engine_packed:
+one gloo rank, verl_cpu's platform, FSDP2 in float32 in place of the configured FSDP1 in bf16 (FSDP1 refuses to
+run without an accelerator); the timed passes are VerlBackend's, through verl's workers. No reference model on
+either backend: verl offloads the reference's weights to pinned CPU memory, which needs an accelerator.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PASSES = ["old_log_prob", "values", "update_critic", "update_actor", "total"]
+SMALL = ["--preset", "tiny", "--repeats", "2", "--trajectories", "4", "--tokens", "40",
+         "--set", "actor_rollout_ref.actor.use_ref=False"]
+#: FSDP2 in float32 for both verl models (CPU only), as verl keys set directly
+CPU_SETTINGS = [f"+verl_backend.verl_config.{path}={value}"
+                for role, engine in (("actor_rollout_ref.actor", "fsdp_config"), ("critic", "fsdp"))
+                for path, value in ((f"{role}.strategy", "fsdp2"), (f"{role}.{engine}.strategy", "fsdp2"),
+                                    (f"{role}.{engine}.mixed_precision",
+                                     "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"))]
+
+
+def _run(tiny_dir, out: Path, *args) -> list[dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run([sys.executable, *args, "--model", str(tiny_dir), *SMALL, "--out", str(out)], cwd=ROOT,
+                            env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.slow
+def test_both_backends_time_every_pass(tiny_dir, tmp_path):
+    out = tmp_path / "passes.jsonl"
+    local = _run(tiny_dir, out, "benchmarks/train_passes.py", "--backend", "local", "--label", "local")
+    verl = _run(tiny_dir, out, __file__, "--backend", "verl", "--label", "verl",
+                "--set", "verl_backend.rollout_name=sglang", *sum((["--set", e] for e in CPU_SETTINGS), []))
+    for lines, label in ((local, "local"), (verl, "verl")):
+        assert [line["repeat"] for line in lines] == [0, 1]
+        assert all(list(line)[2:] == PASSES and line["label"] == label for line in lines)
+        assert all(line[name] > 0 for line in lines for name in PASSES)
+    summaries = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [s["backend"] for s in summaries] == ["local", "verl"]
+    assert summaries[0]["tokens"] == summaries[1]["tokens"] > 4 * 36  # the same synthetic batch on both
+    assert set(CPU_SETTINGS) <= set(summaries[1]["overrides"])
+    for s in summaries:
+        assert s["median_s"]["total"] == pytest.approx(s["steps"][1]["total"])
+
+
+if __name__ == "__main__":  # the verl run: this process as a one-rank CPU "GPU" group, then the benchmark
+    sys.path[:0] = [str(ROOT / "benchmarks"), str(Path(__file__).parent)]
+    from verl_cpu import start_cpu_rank
+
+    start_cpu_rank()
+    import train_passes
+
+    train_passes.main(sys.argv[1:])
