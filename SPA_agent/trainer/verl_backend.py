@@ -231,30 +231,46 @@ class VerlBackend:
     def _token_output(self, output, data, batch: DataProto, key: str) -> torch.Tensor:
         return vl.worker_output(tu.get(output, key), data, batch.batch["attention_mask"]).float()
 
-    def compute_log_prob(self, batch: DataProto) -> DataProto:
+    def _in_dispatch_order(self, batch: DataProto) -> tuple[DataProto, torch.Tensor | None]:
+        """The batch reordered so that each data-parallel rank gets about the same work (`trainer.balance_batch`,
+        as verl's trainer balances its batch), and the index that puts the rows of an output back in order."""
+        dp_size = self.cfg.trainer.n_gpus_per_node * self.cfg.trainer.nnodes
+        if not self.cfg.trainer.balance_batch or dp_size == 1:
+            return batch, None
+        order = vl.balanced_order(batch.batch["attention_mask"], dp_size)
+        return batch.select_idxs(order), order.argsort()
+
+    def _per_token_outputs(self, group_call, batch: DataProto, keys: dict[str, str], token_keys: tuple[str, ...],
+                           **meta) -> DataProto:
+        """`group_call` (a worker group method) on the batch in dispatch order; its per-token outputs `keys`
+        (worker key → our key) as (B, T-1) tensors in the batch's own order."""
         self._sleep_rollout()
-        data = vl.worker_input(batch, ("response_mask",), temperature=self.temperature, calculate_entropy=True,
-                               compute_loss=False)
-        output = self.workers.actor.compute_log_prob(data)
-        return DataProto.from_dict(tensors={"old_log_probs": self._token_output(output, data, batch, "log_probs"),
-                                            "entropys": self._token_output(output, data, batch, "entropy")})
+        ordered, restore = self._in_dispatch_order(batch)
+        data = vl.worker_input(ordered, token_keys, **meta)
+        output = group_call(data)
+        tensors = {ours: self._token_output(output, data, ordered, theirs) for theirs, ours in keys.items()}
+        return DataProto.from_dict(tensors={k: v if restore is None else v[restore] for k, v in tensors.items()})
+
+    def compute_log_prob(self, batch: DataProto) -> DataProto:
+        return self._per_token_outputs(self.workers.actor.compute_log_prob, batch,
+                                       {"log_probs": "old_log_probs", "entropy": "entropys"}, ("response_mask",),
+                                       temperature=self.temperature, calculate_entropy=True, compute_loss=False)
 
     def compute_ref_log_prob(self, batch: DataProto) -> DataProto:
         if not self.has_ref:
             raise ValueError("no reference model: set actor_rollout_ref.actor.use_ref=True")
-        self._sleep_rollout()
-        data = vl.worker_input(batch, ("response_mask",), temperature=self.temperature, calculate_entropy=False,
-                               compute_loss=False, **({"no_lora_adapter": True} if self.ref_in_actor else {}))
         group = self.workers.actor
-        output = group.compute_log_prob(data) if self.ref_in_actor else group.compute_ref_log_prob(data)
-        return DataProto.from_dict(tensors={"ref_log_prob": self._token_output(output, data, batch, "log_probs")})
+        call = group.compute_log_prob if self.ref_in_actor else group.compute_ref_log_prob
+        return self._per_token_outputs(call, batch, {"log_probs": "ref_log_prob"}, ("response_mask",),
+                                       temperature=self.temperature, calculate_entropy=False, compute_loss=False,
+                                       **({"no_lora_adapter": True} if self.ref_in_actor else {}))
 
     def compute_values(self, batch: DataProto) -> DataProto:
-        self._sleep_rollout()
-        data = vl.worker_input(batch, ("response_mask",), temperature=self.temperature, compute_loss=False)
-        output = self.workers.critic.infer_batch(data).get()
-        values = self._token_output(output, data, batch, "values") * batch.batch["response_mask"]
-        return DataProto.from_dict(tensors={"values": values})
+        values = self._per_token_outputs(lambda data: self.workers.critic.infer_batch(data).get(), batch,
+                                         {"values": "values"}, ("response_mask",), temperature=self.temperature,
+                                         compute_loss=False)
+        values.batch["values"] = values.batch["values"] * batch.batch["response_mask"]
+        return values
 
     # ---------------------------------------------------------------- updates
 
@@ -263,6 +279,7 @@ class VerlBackend:
 
     def update_critic(self, batch: DataProto) -> dict[str, float]:
         self._sleep_rollout()
+        batch, _ = self._in_dispatch_order(batch)
         data = vl.worker_input(batch, ("response_mask", "values", "returns"), **self._update_meta(self.cfg.critic))
         output = self.workers.critic.train_mini_batch(data).get()
         return _metrics(tu.get(output, "metrics"), "critic/")
@@ -270,6 +287,7 @@ class VerlBackend:
     def update_actor(self, batch: DataProto) -> dict[str, float]:
         actor = self.cfg.actor_rollout_ref.actor
         self._sleep_rollout()
+        batch, _ = self._in_dispatch_order(batch)
         keys = ("response_mask", "old_log_probs", "advantages") + (("ref_log_prob",) if actor.use_kl_loss else ())
         data = vl.worker_input(batch, keys, calculate_entropy=actor.entropy_coeff != 0, compute_loss=True,
                                distillation_use_topk=False, distillation_only=False, **self._update_meta(actor))

@@ -57,6 +57,29 @@ def to_verl_layout(batch: DataProto, token_keys: tuple[str, ...]) -> DataProto:
     return DataProto.from_dict(tensors=tensors, meta_info=dict(batch.meta_info))
 
 
+def balanced_order(attention_mask: torch.Tensor, dp_size: int) -> torch.Tensor:
+    """A row order under which verl's dispatch, which hands each of `dp_size` data-parallel ranks one contiguous
+    equal chunk of the rows, gives every rank about the same work: verl's `RayPPOTrainer._balance_batch`
+    (Karmarkar–Karp partitions of equal size over `calculate_workload` of the row lengths, each partition's
+    lighter rows at both of its ends).
+
+    Args:
+        attention_mask: (B, T) of the batch; B a multiple of dp_size.
+        dp_size: data-parallel ranks.
+    Returns:
+        (B,) row indices: `batch[order]` is the dispatch order; `order.argsort()` restores the batch's.
+    """
+    from verl.utils.seqlen_balancing import calculate_workload, get_seqlen_balanced_partitions
+
+    workload = calculate_workload(attention_mask.sum(dim=-1)).tolist()
+    parts = get_seqlen_balanced_partitions(workload, k_partitions=dp_size, equal_size=True)
+    order = []
+    for part in parts:
+        part = sorted(part, key=lambda row: (workload[row], row))
+        order += part[::2] + part[1::2][::-1]
+    return torch.tensor(order)
+
+
 def worker_input(batch: DataProto, token_keys: tuple[str, ...], **meta) -> TensorDict:
     """What verl's engine workers take: the verl layout, unpadded to nested tensors, with `meta` attached.
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from verl import DataProto
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.utils.losses import ppo_loss, value_loss
 
@@ -179,3 +180,77 @@ def test_verl_value_loss_equals_the_local_backend_loss(setup):
         response_mask=batch.batch["response_mask"], cliprange_value=cfg.critic.cliprange_value,
         loss_agg_mode=cfg.critic.loss_agg_mode, **local_backend._loss_normalisers(batch.batch["response_mask"]))
     torch.testing.assert_close(verl_loss, local_loss, atol=1e-5, rtol=1e-4)
+
+
+class _EchoGroup:
+    """A verl worker group that records what it is sent and answers each pass with every token's own id as its
+    per-token output, so where an output lands tells which row and token it came from."""
+
+    def __init__(self):
+        self.received = []
+
+    def _echo(self, data, *keys):
+        from verl.utils import tensordict_utils as tu
+
+        self.received.append(data)
+        ids = data["input_ids"]
+        echo = torch.nested.nested_tensor_from_jagged(ids.values().float(), ids.offsets())
+        return tu.get_tensordict(tensor_dict={key: echo for key in keys})
+
+    def compute_log_prob(self, data):
+        return self._echo(data, "log_probs", "entropy")
+
+    def compute_ref_log_prob(self, data):
+        return self._echo(data, "log_probs")
+
+    def infer_batch(self, data):
+        return type("Future", (), {"get": lambda _: self._echo(data, "values")})()
+
+    def update_actor(self, data):
+        from verl.utils import tensordict_utils as tu
+
+        self.received.append(data)
+        return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": {}})
+
+
+def _echo_backend(n_gpus: int):
+    from SPA_agent.trainer.metrics import PhaseTimer
+    from SPA_agent.trainer.verl_backend import VerlBackend
+
+    backend = object.__new__(VerlBackend)  # the driver side only: the groups below stand in for Ray's
+    backend.cfg = compose("_2_sokoban", ["model=tiny", "trainer.backend=verl", f"trainer.n_gpus_per_node={n_gpus}"])
+    backend.verl_cfg = verl_config.build_verl_config(backend.cfg)
+    backend.temperature, backend.has_ref, backend.ref_in_actor = 1.0, True, False
+    backend.workers = type("Workers", (), {"actor": _EchoGroup(), "critic": _EchoGroup()})()
+    backend._rollout_awake, backend._actor_updates, backend._timer = False, 0, PhaseTimer()
+    return backend
+
+
+def test_two_ranks_get_balanced_rows_and_outputs_come_back_in_batch_order():
+    """With two data-parallel ranks each pass sends the rows in verl's balanced order (verl_layout.balanced_order),
+    and every per-token output comes back on its own row and token, as with one rank (no reordering)."""
+    g = torch.Generator().manual_seed(0)
+    lengths = [30, 28, 26, 24, 5, 6, 7, 8]  # the batch's order puts the long rows on rank 0
+    width = max(lengths)
+    mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths])
+    ids = torch.randint(3, 800, (8, width), generator=g) * mask
+    response_mask = (torch.rand(8, width - 1, generator=g) < 0.5).float() * mask[:, 1:]
+    batch = DataProto.from_dict(tensors={"input_ids": ids, "attention_mask": mask, "response_mask": response_mask,
+                                         "old_log_probs": torch.zeros(8, width - 1),
+                                         "advantages": torch.zeros(8, width - 1)})
+    outputs = {}
+    for n_gpus in (1, 2):
+        backend = _echo_backend(n_gpus)
+        outputs[n_gpus] = {**backend.compute_log_prob(batch).batch, **backend.compute_ref_log_prob(batch).batch,
+                           **backend.compute_values(batch).batch}
+        backend.update_actor(batch)
+        sent = [data["input_ids"].offsets().diff().tolist() for data in backend.workers.actor.received]
+        expected_order = verl_layout.balanced_order(mask, 2) if n_gpus == 2 else torch.arange(8)
+        assert sent == [[lengths[row] for row in expected_order]] * 3  # old and ref log-probs, actor update
+        assert backend.workers.critic.received[0]["input_ids"].offsets().diff().tolist() == sent[0]
+    real = mask[:, 1:].bool()
+    for key in ("old_log_probs", "entropys", "ref_log_prob"):
+        # the output of token j+1's column is the echo of token j, the position it is predicted from
+        torch.testing.assert_close(outputs[2][key][real], ids[:, :-1][real].float())
+        torch.testing.assert_close(outputs[2][key], outputs[1][key])
+    torch.testing.assert_close(outputs[2]["values"], ids[:, :-1].float() * response_mask)

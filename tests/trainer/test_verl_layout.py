@@ -86,3 +86,41 @@ def test_worker_outputs_come_back_aligned_with_the_local_backend(rollout_batch, 
 def test_worker_input_requires_response_mask(rollout_batch):
     with pytest.raises(ValueError, match="response_mask"):
         vl.worker_input(rollout_batch, ("loss_mask",))
+
+
+def _mask(lengths: list[int]) -> torch.Tensor:
+    width = max(lengths)
+    return torch.tensor([[0] * (width - n) + [1] * n for n in lengths])
+
+
+def test_balanced_order_evens_out_the_ranks_work():
+    """Rows of very different lengths: verl's contiguous split of the batch order gives one rank all the long
+    rows; in the balanced order each rank's chunk holds the same total work."""
+    from verl.utils.seqlen_balancing import calculate_workload
+
+    lengths = [100, 90, 80, 70, 10, 20, 30, 40]
+    order = vl.balanced_order(_mask(lengths), dp_size=2)
+    assert sorted(order.tolist()) == list(range(8))
+    work = calculate_workload(torch.tensor(lengths))
+    assert work[:4].sum() / work[4:].sum() > 3  # the batch's own order: one rank does 3x the other's work
+    halves = work[order].view(2, 4).sum(-1)
+    assert halves.max() / halves.min() < 1.01
+    # each rank's rows: light ones at both ends (verl's layout of a partition)
+    for chunk in order.view(2, 4):
+        w = work[chunk]
+        assert w[0] < w[1] and w[-1] < w[-2]
+
+
+def test_balanced_order_is_verls_own_balance_batch():
+    """The reference: verl's RayPPOTrainer._balance_batch reorders a batch in place; the same rows come first."""
+    from types import SimpleNamespace
+
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    g = torch.Generator().manual_seed(3)
+    for dp_size in (2, 4):
+        lengths = torch.randint(5, 60, (16,), generator=g).tolist()
+        batch = DataProto.from_dict(tensors={"attention_mask": _mask(lengths), "row": torch.arange(16)})
+        trainer = SimpleNamespace(_get_dp_size=lambda group, role, dp=dp_size: dp, actor_rollout_wg=None)
+        RayPPOTrainer._balance_batch(trainer, batch, metrics={})
+        assert vl.balanced_order(_mask(lengths), dp_size).tolist() == batch.batch["row"].tolist()
