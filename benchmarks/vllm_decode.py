@@ -1,0 +1,61 @@
+"""Raw decoding speed of one vLLM engine on batches shaped like a rollout turn (issue 28).
+
+N prompts of random ids (lengths uniform in [0.9, 1.0] × --prompt-len), each sampling exactly --new-tokens
+(`ignore_eos`), through offline `vllm.LLM` with the engine settings of the verl backend's rollout
+(config/ppo_trainer.yaml: memory share, max_num_seqs, max_num_batched_tokens, prefix caching, CUDA graphs).
+What the verl backend's generation phase takes per turn beyond this is its request path (driver, Ray, HTTP
+server). Prints one JSON line per timed call: seconds, new tokens per second, milliseconds per decoding step.
+
+    python benchmarks/vllm_decode.py --model DIR [--batches 128 256] [--repeats 3] [--async-scheduling]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+from SPA_agent.config import compose
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="Hugging Face model directory (benchmarks/random_model.py)")
+    parser.add_argument("--batches", nargs="+", type=int, default=[128, 256])
+    parser.add_argument("--prompt-len", type=int, default=600)
+    parser.add_argument("--new-tokens", type=int, default=400)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--async-scheduling", action="store_true", help="vLLM's async scheduling (CPU overlaps GPU)")
+    args = parser.parse_args()
+
+    from transformers import AutoConfig
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    rollout = compose("_2_sokoban", [f"model_path={args.model}"]).actor_rollout_ref.rollout
+    engine = {"gpu_memory_utilization": rollout.gpu_memory_utilization, "max_model_len": rollout.max_model_len,
+              "max_num_seqs": rollout.max_num_seqs, "max_num_batched_tokens": rollout.max_num_batched_tokens,
+              "enable_prefix_caching": True, "enforce_eager": False, "dtype": "bfloat16", "seed": 0,
+              **({"async_scheduling": True} if args.async_scheduling else {})}
+    llm = LLM(model=args.model, **engine)
+    vocab = AutoConfig.from_pretrained(args.model).vocab_size
+    sampling = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=args.new_tokens, ignore_eos=True,
+                              detokenize=False)
+    rng = random.Random(0)
+    for batch in args.batches:
+        for repeat in range(args.repeats + 1):  # the first call warms up
+            prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(3, vocab) for _ in range(
+                rng.randint(int(0.9 * args.prompt_len), args.prompt_len))]) for _ in range(batch)]
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, sampling, use_tqdm=False)
+            seconds = time.perf_counter() - start
+            new = sum(len(o.outputs[0].token_ids) for o in outputs)
+            print(json.dumps({"batch": batch, "repeat": repeat, "seconds": round(seconds, 3),
+                              "new_tokens_per_s": round(new / seconds), "ms_per_step": round(1000 * seconds / args.new_tokens, 2),
+                              "async_scheduling": args.async_scheduling, **{k: engine[k] for k in ("max_num_seqs", "max_num_batched_tokens")}}),
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
