@@ -148,6 +148,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override of our config (repeatable)")
     parser.add_argument("--profile", choices=PASSES, help="print this pass's kernel table in the last repeat (rank 0)")
+    parser.add_argument("--release-cache", action="store_true",
+                        help="before each step, empty the CUDA allocator's cache as verl's weight sync does after a "
+                             "rollout (then expandable segments), so the passes allocate as in a full run")
     parser.add_argument("--label", default="", help="name of this setting in the output")
     parser.add_argument("--out", type=Path, help="JSON-lines file to append the results to")
     args = parser.parse_args(argv)
@@ -185,8 +188,19 @@ def main(argv: list[str] | None = None) -> None:
         if distributed:
             torch.distributed.barrier()
 
+    def release_cache():
+        """What verl's weight sync leaves behind after each rollout (`ActorRolloutRefWorker.update_weights`): the
+        allocator's cache emptied (for the engine's KV cache), then expandable segments on."""
+        from verl.utils.device import set_expandable_segments
+
+        set_expandable_segments(False)
+        torch.cuda.empty_cache()
+        set_expandable_segments(True)
+
     steps = []
     for repeat in range(args.repeats):
+        if args.release_cache and cuda:
+            release_cache()
         profile = args.profile if repeat == args.repeats - 1 and rank == 0 else None
         seconds = one_step(backend, copy.deepcopy(batch), sync, profile)  # a step adds its outputs to the batch
         steps.append(seconds)
@@ -199,6 +213,7 @@ def main(argv: list[str] | None = None) -> None:
         peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
         summary = {"label": args.label, "backend": args.backend, "gpus": world, "median_s": median,
                    "steps": steps, "peak_gib": round(peak, 2), "overrides": args.overrides,
+                   "release_cache": args.release_cache,
                    "device": torch.cuda.get_device_name() if cuda else "cpu",
                    "tokens": tokens}
         print("median of repeats 2+: " + "  ".join(f"{k} {v:.3f}" for k, v in median.items()), flush=True)
