@@ -8,7 +8,8 @@ The batch is shaped like the one the paper's step trains (`_2_sokoban`: 64 kept 
 58% of them sampled; random ids, left padded as the agent proxy pads). The passes are the backends' own methods:
 `LocalBackend` on one device, or `VerlBackend` driving verl's real workers (`ActorRolloutRefWorker` for the actor
 and for the reference, `TrainingWorker` for the critic, `verl_patches` applied) built in this process, one torchrun
-rank per GPU, each rank holding the contiguous share of the batch that verl's dispatch gives it. No Ray and no
+rank per GPU, each rank holding the share of the batch that verl's dispatch gives it (after VerlBackend's
+balanced reordering, `trainer.balance_batch`). No Ray and no
 rollout engine: a setting's effect on the passes takes about a minute to measure, not a full run's four-minute
 start. `--set` overrides our config (Hydra syntax), verl's own keys through `verl_backend.verl_config`, e.g.
 `--set +verl_backend.verl_config.actor_rollout_ref.actor.strategy=fsdp2`.
@@ -40,6 +41,7 @@ sys.path.insert(0, str(REPO))
 from ppo_step import kernel_table  # noqa: E402
 
 from SPA_agent.config import compose  # noqa: E402
+from SPA_agent.trainer import verl_layout  # noqa: E402
 
 #: the passes in the order a PPO step runs them
 PASSES = ("old_log_prob", "ref", "values", "update_critic", "update_actor")
@@ -172,6 +174,11 @@ def main(argv: list[str] | None = None) -> None:
     batch = synthetic_batch(args.trajectories, args.tokens, args.spread, args.response_share, len(tokenizer),
                             tokenizer.pad_token_id, seed=0)
     tokens = int(batch.batch["attention_mask"].sum())
+    if args.backend == "verl" and cfg.trainer.balance_batch:
+        # VerlBackend's own reordering for the ranks (trainer.balance_batch), done here on the whole batch: each
+        # rank's backend below sees its share only
+        batch = batch.select_idxs(verl_layout.balanced_order(batch.batch["attention_mask"], world))
+        cfg.trainer.balance_batch = False
     share = args.trajectories // world
     batch = batch[rank * share:(rank + 1) * share]  # verl's dispatch: contiguous chunks, one per data-parallel rank
     if args.backend == "local":
