@@ -7,6 +7,7 @@ CriticConfig, and verl's own `ppo_loss` / `value_loss` (verl.workers.utils.losse
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from verl import DataProto
@@ -237,7 +238,8 @@ def test_two_ranks_get_balanced_rows_and_outputs_come_back_in_batch_order():
     response_mask = (torch.rand(8, width - 1, generator=g) < 0.5).float() * mask[:, 1:]
     batch = DataProto.from_dict(tensors={"input_ids": ids, "attention_mask": mask, "response_mask": response_mask,
                                          "old_log_probs": torch.zeros(8, width - 1),
-                                         "advantages": torch.zeros(8, width - 1)})
+                                         "advantages": torch.zeros(8, width - 1)},
+                                non_tensors={"seeds": np.arange(8)})  # the driver's batch carries such fields
     outputs = {}
     for n_gpus in (1, 2):
         backend = _echo_backend(n_gpus)
