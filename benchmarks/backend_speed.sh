@@ -7,9 +7,11 @@
 # Model: random weights of SHAPE over the tiny tokenizer (benchmarks/random_model.py), so no download; batch: the
 # paper's (_2_sokoban: 32 groups × 8 trajectories, up to 5 turns × 400 tokens, 25% of the groups trained). Each run
 # goes through train_ppo_sfted.sh (what a user runs; with NGPUS > 1 it picks trainer.backend=verl and
-# ROLLOUT_TP=auto). VERL_ARGS adds overrides to the verl run only. Writes <out>/metrics_{local,verl}.jsonl, a log
-# per run, summary.txt (exit status and seconds of each run) and table.md (benchmarks/backend_table.py: the
-# phases' steady seconds, the median of the steps after the first, side by side).
+# ROLLOUT_TP=auto). VERL_ARGS adds overrides to the verl run only; VOCAB=full gives the model the shape's own
+# vocabulary (151,936 ids for the Qwen shapes) instead of the tiny tokenizer's 860 (random_model.py --full-vocab).
+# Writes <out>/metrics_{local,verl}.jsonl, a log per run, summary.txt (exit status and seconds of each run) and
+# table.md (benchmarks/backend_table.py: the phases' steady seconds, the median of the steps after the first, side
+# by side).
 # Needs ray, vllm and the project's dependencies importable (docs/scale_out.md, "Offline GPU hosts").
 set -uo pipefail
 out="${1:?usage: bash benchmarks/backend_speed.sh <out_dir> [STEPS] [SHAPE] [-- overrides]}"; shift
@@ -21,7 +23,9 @@ cd "$(dirname "$0")/.."
 mkdir -p "$out" "$work"
 gpus="$(nvidia-smi --list-gpus | grep -c GPU)"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
-[ -f "$work/model_$shape/config.json" ] || (cd benchmarks && python random_model.py --shape "$shape" --out "$work/model_$shape")
+model="$work/model_$shape"; vocab_args=()
+[ "${VOCAB:-}" = full ] && model="${model}_full_vocab" && vocab_args=(--full-vocab)
+[ -f "$model/config.json" ] || (cd benchmarks && python random_model.py --shape "$shape" --out "$model" "${vocab_args[@]}")
 
 run() {  # run NAME NGPUS [overrides...]: train_ppo_sfted.sh on the first NGPUS GPUs
     local name="$1" n="$2" start rc; shift 2
@@ -29,7 +33,7 @@ run() {  # run NAME NGPUS [overrides...]: train_ppo_sfted.sh on the first NGPUS 
     echo "== $name ($n GPU) started $(date -u +%T)" | tee -a "$out/summary.txt"
     start=$(date +%s)
     CUDA_VISIBLE_DEVICES="$visible" NGPUS="$n" MODEL="${shape^^}" TOTAL_STEPS="$steps" BASE_DIR="$work/runs" \
-        bash train_ppo_sfted.sh _2_sokoban "$work/model_$shape" "$name" trainer.test_freq=-1 "$@" > "$out/$name.log" 2>&1
+        bash train_ppo_sfted.sh _2_sokoban "$model" "$name" trainer.test_freq=-1 "$@" > "$out/$name.log" 2>&1
     rc=$?
     echo "== $name exit=$rc seconds=$(( $(date +%s) - start ))" | tee -a "$out/summary.txt"
     cp "$work/runs/_2_sokoban/$name/metrics.jsonl" "$out/metrics_$name.jsonl" 2>/dev/null
