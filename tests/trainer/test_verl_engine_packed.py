@@ -1,5 +1,7 @@
 """verl's FSDP engine packs micro-batches (`use_remove_padding`) through `packing.PACKED_ATTENTION` without
-flash-attn: its log-probs, entropies, gradient and update equal those of padded micro-batches through SDPA.
+flash-attn: its log-probs, entropies, gradient and update equal those of padded micro-batches through SDPA. With
+verl's fused head (`use_fused_kernels`, the log-probs and entropies computed from the hidden states in chunks) they
+equal those of the plain head.
 
 The engine (`FSDPEngineWithLMHead`, built from the typed configs of the project's verl config as verl's
 `ActorRolloutRefWorker.init_model` / `TrainingWorker` build them) runs in a child process on the CPU: one gloo rank,
@@ -28,14 +30,20 @@ WIDTH = 12
 ATOL = 1e-4
 
 
-@pytest.mark.slow
-def test_verl_fsdp_engine_packs_through_the_per_sequence_attention(tmp_path):
-    out = tmp_path / "result.json"
+@pytest.fixture(scope="module")
+def engine_results(tmp_path_factory) -> dict:
+    """The child process's results: three engines (padded, packed, packed with verl's fused head) on one batch."""
+    out = tmp_path_factory.mktemp("engine") / "result.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     result = subprocess.run([sys.executable, __file__, str(out)], cwd=REPO, env=env, capture_output=True, text=True,
                             timeout=240, check=False)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    r = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_verl_fsdp_engine_packs_through_the_per_sequence_attention(engine_results):
+    r = engine_results
 
     # the packed engine is the project's: remove padding, our attention; the reference pads through SDPA
     assert r["packed"]["engine"] == r["padded"]["engine"] == "FSDPEngineWithLMHead"
@@ -58,6 +66,20 @@ def test_verl_fsdp_engine_packs_through_the_per_sequence_attention(tmp_path):
     grad_norms = [r[run]["grad_norm"] for run in ("packed", "padded")]
     assert grad_norms[0] > 0 and grad_norms[0] == pytest.approx(grad_norms[1], rel=1e-4)
     assert r["packed"]["pg_loss"] == pytest.approx(r["padded"]["pg_loss"], abs=ATOL)
+
+
+@pytest.mark.slow
+def test_verls_fused_head_on_packed_micro_batches_equals_the_plain_head(engine_results):
+    """`actor_rollout_ref.model.use_fused_kernels` (verl's log-probs and entropies from the hidden states in
+    chunks, no (tokens, vocabulary) logits; torch backend here) on the same packed micro-batches: same numbers."""
+    r = engine_results
+    assert r["fused"]["use_fused_kernels"] and not r["packed"]["use_fused_kernels"]
+    assert r["fused"]["segments"] == r["fused"]["train_segments"] == list(LENGTHS)
+    mask = torch.tensor(r["response_mask"], dtype=torch.float32)
+    for key in ("log_probs", "entropy", "log_probs_after_update"):
+        fused, plain = (torch.tensor(r[run][key]) * mask for run in ("fused", "packed"))
+        assert torch.allclose(fused, plain, atol=ATOL, rtol=0), (key, (fused - plain).abs().max())
+    assert r["fused"]["grad_norm"] == pytest.approx(r["packed"]["grad_norm"], rel=1e-4)
 
 
 # ------------------------------------------------------------------------------------------------ the child process
@@ -92,11 +114,12 @@ def _child(out: Path) -> None:
     actor_cfg["strategy"] = actor_cfg["fsdp_config"]["strategy"] = "fsdp2"
     actor_cfg["fsdp_config"]["mixed_precision"] = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
 
-    def engine(packed: bool):
+    def engine(packed: bool, fused: bool = False):
         model = OmegaConf.to_container(verl_cfg.model)
         if not packed:
             model["use_remove_padding"] = False
             model["override_config"]["attn_implementation"] = "sdpa"
+        model["use_fused_kernels"] = fused  # verl's fused head (torch backend): log-probs without (T, V) logits
         model_config = omega_conf_to_dataclass(OmegaConf.create(model))
         actor = omega_conf_to_dataclass(OmegaConf.create(actor_cfg))
         actor.model_config = model_config
@@ -156,8 +179,8 @@ def _child(out: Path) -> None:
             return built.train_batch(data, loss_function=partial(ppo_loss, config=actor))["metrics"]
 
     results, reference = {}, None
-    for name, packed in (("padded", False), ("packed", True)):
-        built, actor = engine(packed)
+    for name, packed, fused in (("padded", False, False), ("packed", True, False), ("fused", True, True)):
+        built, actor = engine(packed, fused)
         packing._last_segments = (None, None)
         log_probs, entropy = forward(built)
         segments = packing._last_segments[1]
@@ -170,6 +193,7 @@ def _child(out: Path) -> None:
         results[name] = {
             "engine": type(built).__name__, "attention": built.module.config._attn_implementation,
             "use_remove_padding": bool(built.use_remove_padding), "segments": segments,
+            "use_fused_kernels": bool(built.engine_config.use_fused_kernels),
             "train_segments": train_segments, "log_probs": log_probs.tolist(), "entropy": entropy.tolist(),
             "log_probs_after_update": after.tolist(), "grad_norm": float(metrics["grad_norm"]),
             "pg_loss": float(metrics["actor/pg_loss"].aggregate()),
