@@ -86,14 +86,10 @@ class InProcess:
 
 def verl_backend(cfg, tokenizer):
     """VerlBackend over verl's workers built here (this rank's share of each model)."""
-    from functools import partial
-
-    from verl.utils.config import omega_conf_to_dataclass
     from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
-    from verl.workers.utils.losses import value_loss
 
     from SPA_agent.trainer import verl_patches
-    from SPA_agent.trainer.verl_backend import VerlBackend, _critic_worker_config, ray_runtime_env
+    from SPA_agent.trainer.verl_backend import VerlBackend, critic_setup, ray_runtime_env
     from SPA_agent.trainer.verl_config import build_verl_config
 
     verl_cfg = build_verl_config(cfg)
@@ -104,10 +100,10 @@ def verl_backend(cfg, tokenizer):
     for role in ("actor", "ref") if cfg.actor_rollout_ref.actor.use_ref else ("actor",):
         workers[role] = ActorRolloutRefWorker(copy.deepcopy(verl_cfg.actor_rollout_ref), role=role)
         workers[role].init_model()
-    critic_cfg = omega_conf_to_dataclass(verl_cfg.critic)
-    critic = TrainingWorker(_critic_worker_config(critic_cfg))
+    critic_config, critic_loss = critic_setup(verl_cfg)
+    critic = TrainingWorker(critic_config)
     critic.reset()
-    critic.set_loss_fn(partial(value_loss, config=critic_cfg))
+    critic.set_loss_fn(critic_loss)
     ref = {"compute_ref_log_prob": workers["ref"]} if "ref" in workers else {}
     group = SimpleNamespace(actor=InProcess(workers["actor"], ref), critic=InProcess(critic))
     return VerlBackend(cfg, tokenizer, workers=group)

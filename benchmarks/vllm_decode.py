@@ -7,6 +7,8 @@ What the verl backend's generation phase takes per turn beyond this is its reque
 server). Prints one JSON line per timed call: seconds, new tokens per second, milliseconds per decoding step.
 
     python benchmarks/vllm_decode.py --model DIR [--batches 128 256] [--repeats 3] [--async-scheduling]
+
+The JSON lines also carry the engine's sequence and token limits, and `async_scheduling` (whether it was forced).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=600)
     parser.add_argument("--new-tokens", type=int, default=400)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--async-scheduling", action="store_true", help="vLLM's async scheduling (CPU overlaps GPU)")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="force vLLM's async scheduling on (CPU overlaps GPU); without it vLLM decides")
     args = parser.parse_args()
 
     from transformers import AutoConfig

@@ -107,20 +107,18 @@ class VerlWorkers:
                                     mapping={actor_role: "global_pool", Role.Critic: "global_pool"})
         pools.create_resource_pool()
         pool = pools.get_resource_pool(actor_role)
-        critic_cfg = omega_conf_to_dataclass(verl_cfg.critic)
+        critic_config, critic_loss = critic_setup(verl_cfg)
         classes = {
             str(actor_role): RayClassWithInitArgs(cls=ray.remote(ActorRolloutRefWorker),
                                                   config=verl_cfg.actor_rollout_ref, role=str(actor_role)),
-            str(Role.Critic): RayClassWithInitArgs(cls=ray.remote(TrainingWorker), config=_critic_worker_config(critic_cfg)),
+            str(Role.Critic): RayClassWithInitArgs(cls=ray.remote(TrainingWorker), config=critic_config),
         }
         group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=create_colocated_worker_cls(class_dict=classes),
                                device_name="cuda")
         groups = group.spawn(prefix_set=classes.keys())
         self.critic = groups[str(Role.Critic)]
         self.critic.reset()
-        from verl.workers.utils.losses import value_loss
-
-        self.critic.set_loss_fn(partial(value_loss, config=critic_cfg))
+        self.critic.set_loss_fn(critic_loss)
         self.actor = groups[str(actor_role)]
         self.actor.init_model()  # last, so the rollout engine sees what memory is left
         servers = LLMServerManager.create(config=verl_cfg, worker_group=self.actor, rollout_resource_pool=pool)
@@ -129,6 +127,15 @@ class VerlWorkers:
         self.checkpoints = CheckpointEngineManager(config=engine_cfg, actor_wg=self.actor,
                                                    replicas=servers.get_replicas())
         self.checkpoints.sleep_replicas()
+
+
+def critic_setup(verl_cfg: DictConfig):
+    """What a critic worker is started with: its TrainingWorkerConfig and its loss (verl's `value_loss`)."""
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.utils.losses import value_loss
+
+    critic_cfg = omega_conf_to_dataclass(verl_cfg.critic)
+    return _critic_worker_config(critic_cfg), partial(value_loss, config=critic_cfg)
 
 
 def _critic_worker_config(critic_cfg):

@@ -3,8 +3,9 @@
 The base is verl's own flattened default (`verl/trainer/config/_generated_ppo_trainer.yaml`, what verl's Hydra
 composition of `ppo_trainer` gives), so every key verl's workers look up exists with verl's default. On top of
 it go our values: the `COPIED` table (same meaning, our path → verl's path), the derived keys of `_derived`, and
-last `verl_backend.verl_config`, verl keys a user sets directly. verl's own checks (`verl.utils.config.validate_config`, which builds its typed ActorConfig,
-CriticConfig and checks batch divisibility) then run on the result.
+last `verl_backend.verl_config`, verl keys a user sets directly. verl's own checks
+(`verl.utils.config.validate_config`, which builds its typed ActorConfig, CriticConfig and checks batch
+divisibility) then run on the result.
 
 Shapes the workers see: the filtered batch of `int(rollout_filter_ratio × env_groups) × group_size`
 trajectories (verl's `data.train_batch_size`), split evenly over `n_gpus_per_node × nnodes` data-parallel ranks.

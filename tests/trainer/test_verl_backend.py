@@ -214,20 +214,17 @@ class _EchoGroup:
         return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": {}})
 
 
-def _echo_backend(n_gpus: int):
-    from SPA_agent.trainer.metrics import PhaseTimer
+def _echo_backend(n_gpus: int, tokenizer):
+    """The driver side only: the echo groups stand in for Ray's (sglang: no vLLM request options to import)."""
     from SPA_agent.trainer.verl_backend import VerlBackend
 
-    backend = object.__new__(VerlBackend)  # the driver side only: the groups below stand in for Ray's
-    backend.cfg = compose("_2_sokoban", ["model=tiny", "trainer.backend=verl", f"trainer.n_gpus_per_node={n_gpus}"])
-    backend.verl_cfg = verl_config.build_verl_config(backend.cfg)
-    backend.temperature, backend.has_ref, backend.ref_in_actor = 1.0, True, False
-    backend.workers = type("Workers", (), {"actor": _EchoGroup(), "critic": _EchoGroup()})()
-    backend._rollout_awake, backend._actor_updates, backend._timer = False, 0, PhaseTimer()
-    return backend
+    cfg = compose("_2_sokoban", ["model=tiny", "trainer.backend=verl", f"trainer.n_gpus_per_node={n_gpus}",
+                                 "verl_backend.rollout_name=sglang"])
+    workers = type("Workers", (), {"actor": _EchoGroup(), "critic": _EchoGroup()})()
+    return VerlBackend(cfg, tokenizer, workers=workers)
 
 
-def test_two_ranks_get_balanced_rows_and_outputs_come_back_in_batch_order():
+def test_two_ranks_get_balanced_rows_and_outputs_come_back_in_batch_order(tiny_tokenizer):
     """With two data-parallel ranks each pass sends the rows in verl's balanced order (verl_layout.balanced_order),
     and every per-token output comes back on its own row and token, as with one rank (no reordering)."""
     g = torch.Generator().manual_seed(0)
@@ -242,7 +239,7 @@ def test_two_ranks_get_balanced_rows_and_outputs_come_back_in_batch_order():
                                 non_tensors={"seeds": np.arange(8)})  # the driver's batch carries such fields
     outputs = {}
     for n_gpus in (1, 2):
-        backend = _echo_backend(n_gpus)
+        backend = _echo_backend(n_gpus, tiny_tokenizer)
         outputs[n_gpus] = {**backend.compute_log_prob(batch).batch, **backend.compute_ref_log_prob(batch).batch,
                            **backend.compute_values(batch).batch}
         backend.update_actor(batch)
