@@ -1,11 +1,15 @@
-"""Learning curves of the two backends side by side (benchmarks/backend_parity.sh's output).
+"""Learning curves of the two backends side by side (benchmarks/backend_parity.sh, backend_parity_sokoban.sh).
 
     python benchmarks/backend_curves.py <parity_out_dir> --out curves.png
 
 Reads every `<backend>_seed<s>.jsonl` there and draws, per step, the validation success, the mean training
-score, the policy's entropy and the approximate KL of the actor update (old vs new policy), one line per run
+score, the policy's entropy and the approximate KL of the actor update (old vs new policy; 0 where each batch
+is one mini-batch, so the update starts from the rollout policy), one line per run
 (colour = backend); validation success with its 95% Wilson interval over --val-episodes episodes (the bandit's
-16 groups × 4). Prints the same numbers as a markdown table (steps with validation only for the success).
+16 groups × 4; Sokoban's 128 puzzles × the validation samples). The environment is read from the metrics
+(`val-env/<env>/success`); where the runs log the KL to the reference model (`diag/kl_ref`) and the share of
+well-formed training turns (`train/diag/format_valid`), they are drawn too. Prints the same numbers as a markdown
+table (steps with validation only for the success).
 """
 
 from __future__ import annotations
@@ -13,10 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from pathlib import Path
 
-PANELS = (("val-env/Bandit/success", "validation success"), ("critic/score/mean", "mean training score"),
-          ("actor/entropy", "entropy"), ("actor/ppo_kl", "KL (old → new policy)"))
+TRAINING_PANELS = (("critic/score/mean", "mean training score"), ("actor/entropy", "entropy"),
+                   ("actor/ppo_kl", "KL (old → new policy)"), ("diag/kl_ref", "KL to the reference model"),
+                   ("train/diag/format_valid", "well-formed training turns"))
 COLOURS = {"local": "tab:blue", "verl": "tab:orange"}
 
 
@@ -38,8 +44,20 @@ def wilson(rate: float, n: int, z: float = 1.96) -> tuple[float, float]:
     return centre - half, centre + half
 
 
+def panels(runs: dict[str, list[dict]]) -> list[tuple[str, str]]:
+    """(metric, title) to draw: the validation success of the runs' environment first, then the training metrics
+    that at least one run logs with a value other than 0 (the update's KL is 0 throughout where every batch is
+    one mini-batch)."""
+    keys = {key for records in runs.values() for record in records for key in record}
+    success = sorted(key for key in keys if re.fullmatch(r"val-env/[^/]+/success", key))
+    if len(success) != 1:
+        raise ValueError(f"expected the validation success of one environment, found {success or 'none'}")
+    logged = {key for records in runs.values() for record in records for key, value in record.items() if value}
+    return [(success[0], "validation success")] + [panel for panel in TRAINING_PANELS if panel[0] in logged]
+
+
 def cell(key: str, value: float, episodes: int) -> str:
-    if key != PANELS[0][0]:
+    if not key.startswith("val-env/"):
         return f"{value:.3f}"
     low, high = wilson(value, episodes)
     return f"{value:.2f} [{low:.2f}, {high:.2f}]"
@@ -47,7 +65,7 @@ def cell(key: str, value: float, episodes: int) -> str:
 
 def markdown(runs: dict[str, list[dict]], episodes: int) -> str:
     lines = []
-    for key, title in PANELS:
+    for key, title in panels(runs):
         steps = sorted({s for records in runs.values() for s in curve(records, key)})
         lines += [f"**{title}** (`{key}`)", "", "| run | " + " | ".join(map(str, steps)) + " |",
                   "|---|" + "---|" * len(steps)]
@@ -68,19 +86,28 @@ def main() -> None:
     runs = read_runs(args.directory)
     if not runs:
         parser.exit(2, f"error: no <backend>_seed<s>.jsonl files in {args.directory}\n")
+    try:
+        drawn = panels(runs)
+    except ValueError as error:
+        parser.exit(2, f"error: {args.directory}: {error}\n")
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 3.4))
-    for ax, (key, title) in zip(axes, PANELS):
+    columns = len(drawn) if len(drawn) <= 4 else math.ceil(len(drawn) / 2)
+    rows = math.ceil(len(drawn) / columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.4 * rows), squeeze=False)
+    axes = axes.ravel()
+    for ax in axes[len(drawn):]:
+        ax.set_visible(False)
+    for ax, (key, title) in zip(axes, drawn):
         for name, records in runs.items():
             values = curve(records, key)
             backend = name.split("_seed")[0]
             steps, ys = list(values), list(values.values())
             ax.plot(steps, ys, marker="o", ms=3, color=COLOURS.get(backend), label=name, alpha=0.85)
-            if key == PANELS[0][0]:
+            if key == drawn[0][0]:
                 bounds = [wilson(y, args.val_episodes) for y in ys]
                 ax.fill_between(steps, [b[0] for b in bounds], [b[1] for b in bounds], color=COLOURS.get(backend),
                                 alpha=0.12)

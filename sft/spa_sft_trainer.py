@@ -166,7 +166,8 @@ class SftTrainer:
         config = OmegaConf.to_container(self.cfg, resolve=True)
         self.identity = run_identity.build_identity(config, inputs, ignore=RUN_DIR.ignored)
         check_writable(self.out_dir)
-        check_unlocked(self.out_dir)
+        if self.rank == 0:  # the writer: other ranks would see its own lock once it runs ahead of them
+            check_unlocked(self.out_dir)
         if data.require_data_card:
             for file in files:
                 check_dataset_complete(file)
@@ -460,8 +461,8 @@ def main(cfg: DictConfig) -> None:
         trainer.setup()
         trainer.train()
     except (ValueError, FileNotFoundError) as error:
-        if rank == 0:
-            print(f"error: {error}", file=sys.stderr, flush=True)
+        # Every rank says why: an error that only another rank meets is otherwise lost when torchrun stops rank 0.
+        print(f"error{f' (rank {rank})' if rank else ''}: {error}", file=sys.stderr, flush=True)
         trainer.cleanup()
         sys.exit(2)
     trainer.cleanup()

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from sft_fixtures import synthetic_rows, write_rows
 
 from sft.in_process import run
-from sft.spa_sft_trainer import SftTrainer
+from sft.spa_sft_trainer import SftTrainer, resolve_model_path
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO / "sft" / "config"
@@ -141,3 +141,26 @@ def test_entry_point_user_errors_exit_2_with_one_line(data_dir, tmp_path, extra,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
     assert result.returncode == 2
     assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_only_rank_0_refuses_a_locked_directory(data_dir, tmp_path):
+    """Rank 0 takes the lock once it has set up; a rank still checking the directory then must not mistake that
+    lock for another writer's (it did on two H100s: rank 1 exited with status 2 and no message)."""
+    from SPA_agent.runs.dir_lock import DirectoryLockedError
+
+    out = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from SPA_agent.runs.dir_lock import DirLock; "
+         f"lock = DirLock({str(out)!r}).acquire(); print('held', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        trainers = [SftTrainer(compose(overrides(data_dir, out)), rank=rank, world_size=2) for rank in (0, 1)]
+        for trainer in trainers:
+            trainer.model_path = resolve_model_path("tiny")
+            trainer._build_data()
+        assert trainers[1]._check_output_dir() is False  # rank 1 checks the rest, not the lock
+        with pytest.raises(DirectoryLockedError, match=f"pid {holder.pid} "):
+            trainers[0]._check_output_dir()
+    finally:
+        holder.communicate("")

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Same learning on either backend with a real model (issue 28): PPO of SmolLM2-135M-Instruct on Sokoban from one
+# world-model SFT checkpoint, on the local backend and on the verl backend, same seeds, data and settings.
+#
+#   bash benchmarks/backend_parity_sokoban.sh <out_dir> [sft_checkpoint] [STEPS=20] [-- overrides of both runs]
+#
+# Without a checkpoint, stages 1-2 of run_spa.sh make one first: random-action self-play data (CPU, seconds) and
+# the preset's SFT over all GPUs (MODEL=smollm2-135m: 2 epochs). PPO goes through train_ppo_sfted.sh, with the
+# original's base prompts: the SFT checkpoint starts near 0 there and PPO recovers the answer format within about
+# 10 steps (docs/smollm2.md), a learning signal both backends must show. Validation: the 128 validation puzzles ×
+# VAL_SAMPLES (2) every TEST_FREQ (5) steps. SEED (0) sets trainer.seed and generator.seed.
+# With 2 or more GPUs the two runs go side by side, local on GPU 0 and verl on GPU 1 (PARALLEL=1, the default);
+# PARALLEL=0 runs them one after the other, verl on all GPUs. Per-step metrics: <out>/{local,verl}_seed<SEED>.jsonl,
+# drawn by `python benchmarks/backend_curves.py <out> --val-episodes $((128 * VAL_SAMPLES))`.
+# Needs the project's GPU dependencies (vllm, ray, verl) and the SmolLM2 file (docs/smollm2.md).
+set -uo pipefail
+usage="usage: bash benchmarks/backend_parity_sokoban.sh <out_dir> [sft_checkpoint] [STEPS] [-- overrides]"
+out="${1:?$usage}"; shift
+ckpt=""; [ $# -gt 0 ] && [ "$1" != -- ] && { ckpt="$1"; shift; }
+steps=20; [ $# -gt 0 ] && [ "$1" != -- ] && { steps="$1"; shift; }
+[ "${1:-}" = -- ] && shift
+work="${WORK:-/tmp/backend_parity_sokoban}"; seed="${SEED:-0}"
+cd "$(dirname "$0")/.."
+mkdir -p "$out" "$work"
+out="$(cd "$out" && pwd)"
+gpus="$(nvidia-smi --list-gpus | grep -c GPU)"
+[ "$gpus" -ge 1 ] || { echo "error: no GPU found (nvidia-smi)" >&2; exit 2; }
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$out/gpu.txt"
+export MODEL=smollm2-135m PYTHONHASHSEED=10000
+
+if [ -z "$ckpt" ]; then
+    echo "== SFT checkpoint: stages 1-2 -> $work/sft $(date -u +%T)" | tee -a "$out/summary.txt"
+    python -m SPA_agent.generate_sft_data --config-name _2_sokoban model=smollm2-135m \
+        render_mode=text_with_coordinates generator=random data_gen.num_batches=5 \
+        data_gen.output_dir="$work/data" > "$out/data.log" 2>&1 || { echo "error: data ($out/data.log)" >&2; exit 1; }
+    bash sft/finetune_ft.sh _2_sokoban "$gpus" "$work/sft" "$work/data" smollm2-135m trainer.total_epochs=2 \
+        > "$out/sft.log" 2>&1 || { echo "error: SFT ($out/sft.log)" >&2; exit 1; }
+    ckpt="$(ls -d "$work"/sft/global_step_* | sort -V | tail -1)"
+    cp "$work/data/data_card.md" "$out/" 2>/dev/null
+fi
+echo "== PPO from $ckpt" | tee -a "$out/summary.txt"
+
+run() {  # run BACKEND GPU_LIST [overrides...]
+    local backend="$1" visible="$2" n start rc name="${1}_seed$seed"; shift 2
+    n="$(tr ',' '\n' <<< "$visible" | grep -c .)"
+    echo "== $name on GPU $visible started $(date -u +%T)" | tee -a "$out/summary.txt"
+    start=$(date +%s)
+    CUDA_VISIBLE_DEVICES="$visible" NGPUS="$n" TOTAL_STEPS="$steps" BASE_DIR="$work/runs" \
+        bash train_ppo_sfted.sh _2_sokoban "$ckpt" "$name" trainer.backend="$backend" \
+        trainer.seed="$seed" generator.seed="$seed" trainer.test_freq="${TEST_FREQ:-5}" \
+        es_manager.val.group_size="${VAL_SAMPLES:-2}" "$@" > "$out/$name.log" 2>&1
+    rc=$?
+    echo "== $name exit=$rc seconds=$(( $(date +%s) - start ))" | tee -a "$out/summary.txt"
+    cp "$work/runs/_2_sokoban/$name/metrics.jsonl" "$out/$name.jsonl" 2>/dev/null
+}
+
+if [ "$gpus" -ge 2 ] && [ "${PARALLEL:-1}" = 1 ]; then
+    # One GPU each: Ray then restricts each verl worker to the driver's GPU (all_gpus_visible=false).
+    run local 0 "$@" &
+    run verl 1 verl_backend.all_gpus_visible=false "$@" &
+    wait
+else
+    run local 0 "$@"
+    run verl "$(seq -s, 0 $(( gpus - 1 )))" "$@"
+fi
