@@ -15,16 +15,23 @@
 # Needs the project's GPU dependencies (vllm, ray, verl) and the SmolLM2 file (docs/smollm2.md).
 set -uo pipefail
 usage="usage: bash benchmarks/backend_parity_sokoban.sh <out_dir> [sft_checkpoint] [STEPS] [-- overrides]"
-out="${1:?$usage}"; shift
+[ $# -ge 1 ] || { echo "$usage" >&2; exit 2; }
+out="$1"; shift
 ckpt=""; [ $# -gt 0 ] && [ "$1" != -- ] && { ckpt="$1"; shift; }
 steps=20; [ $# -gt 0 ] && [ "$1" != -- ] && { steps="$1"; shift; }
 [ "${1:-}" = -- ] && shift
 work="${WORK:-/tmp/backend_parity_sokoban}"; seed="${SEED:-0}"
+die() { echo "error: $*" >&2; exit 2; }
+[[ "$steps" =~ ^[1-9][0-9]*$ ]] || die "STEPS must be an integer >= 1, got '$steps'"
+[[ "$seed" =~ ^[0-9]+$ ]] || die "SEED must be an integer >= 0, got '$seed'"
+[ -z "$ckpt" ] || [ -f "$ckpt/config.json" ] || die "'$ckpt' is not a Hugging Face model directory (no config.json)"
+[ -z "$ckpt" ] || ckpt="$(cd "$ckpt" && pwd)"
+[[ "$out" = /* ]] || out="$PWD/$out"  # paths as given, before the cd to the repository
+[[ "$work" = /* ]] || work="$PWD/$work"
 cd "$(dirname "$0")/.."
+gpus="$(nvidia-smi --list-gpus 2>/dev/null | grep -c GPU)"
+[ "$gpus" -ge 1 ] || die "no GPU found (nvidia-smi lists none); this benchmark needs one or more"
 mkdir -p "$out" "$work"
-out="$(cd "$out" && pwd)"
-gpus="$(nvidia-smi --list-gpus | grep -c GPU)"
-[ "$gpus" -ge 1 ] || { echo "error: no GPU found (nvidia-smi)" >&2; exit 2; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$out/gpu.txt"
 export MODEL=smollm2-135m PYTHONHASHSEED=10000
 

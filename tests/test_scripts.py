@@ -121,6 +121,13 @@ def test_run_baseline_trains_from_the_base_model_and_prints_the_summary(tmp_path
     # llama1B is a model preset of the main job: stage 2 accepts it (and then checks the data)
     ("sft/finetune_ft.sh", ("_2_sokoban", "1", "/nonexistent/sft", "/nonexistent/data", "llama1B"), {},
      "wm_train.parquet not found"),
+    # the real-model parity benchmark checks its arguments before it looks for GPUs
+    ("benchmarks/backend_parity_sokoban.sh", ("/nonexistent/out", "/nonexistent/ckpt"), {},
+     "'/nonexistent/ckpt' is not a Hugging Face model directory (no config.json)"),
+    ("benchmarks/backend_parity_sokoban.sh", ("/nonexistent/out", "--", "x=1"), {"SEED": "-1"},
+     "SEED must be an integer >= 0, got '-1'"),
+    ("benchmarks/backend_parity_sokoban.sh", ("/nonexistent/out",), {"PATH": "/usr/bin:/bin"},
+     "no GPU found (nvidia-smi lists none)"),
 ])
 def test_scripts_report_user_errors_in_one_line(script, args, env, message):
     result = _run(script, *args, env=env, timeout=120)
