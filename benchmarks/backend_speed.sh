@@ -7,7 +7,9 @@
 # Model: random weights of SHAPE over the tiny tokenizer (benchmarks/random_model.py), so no download; batch: the
 # paper's (_2_sokoban: 32 groups × 8 trajectories, up to 5 turns × 400 tokens, 25% of the groups trained). Each run
 # goes through train_ppo_sfted.sh (what a user runs; with NGPUS > 1 it picks trainer.backend=verl and
-# ROLLOUT_TP=auto). VERL_ARGS adds overrides to the verl run only; VOCAB=full gives the model the shape's own
+# ROLLOUT_TP=auto). VERL_ARGS adds overrides to the verl run only; BACKENDS="verl" (or "local") runs one backend
+# only, e.g. a verl setting against a local step measured before on the same machine (the table then needs both
+# runs' metrics in <out>: backend_table.py compares any two); VOCAB=full gives the model the shape's own
 # vocabulary (151,936 ids for the Qwen shapes) instead of the tiny tokenizer's 860 (random_model.py --full-vocab).
 # Writes <out>/metrics_{local,verl}.jsonl, a log per run, summary.txt (exit status and seconds of each run) and
 # table.md (benchmarks/backend_table.py: the phases' steady seconds, the median of the steps after the first, side
@@ -19,6 +21,10 @@ steps="${1:-4}"; [ $# -gt 0 ] && shift
 shape="${1:-0.5b}"; [ $# -gt 0 ] && shift
 [ "${1:-}" = -- ] && shift
 work="${WORK:-/tmp/backend_speed}"
+backends="${BACKENDS:-local verl}"
+for backend in $backends; do
+    case "$backend" in local|verl) ;; *) echo "error: BACKENDS takes local and/or verl, got '$backend'" >&2; exit 2 ;; esac
+done
 cd "$(dirname "$0")/.."
 mkdir -p "$out" "$work"
 gpus="$(nvidia-smi --list-gpus | grep -c GPU)"
@@ -39,7 +45,10 @@ run() {  # run NAME NGPUS [overrides...]: train_ppo_sfted.sh on the first NGPUS 
     cp "$work/runs/_2_sokoban/$name/metrics.jsonl" "$out/metrics_$name.jsonl" 2>/dev/null
 }
 
-run local 1 "$@"
-run verl "$gpus" "$@" ${VERL_ARGS:-}
-python benchmarks/backend_table.py "$out/metrics_local.jsonl" "$out/metrics_verl.jsonl" \
-    --labels "local (1 GPU)" "verl ($gpus GPUs)" | tee "$out/table.md"
+case " $backends " in *" local "*) run local 1 "$@" ;; esac
+# shellcheck disable=SC2086
+case " $backends " in *" verl "*) run verl "$gpus" "$@" ${VERL_ARGS:-} ;; esac
+if [ -f "$out/metrics_local.jsonl" ] && [ -f "$out/metrics_verl.jsonl" ]; then
+    python benchmarks/backend_table.py "$out/metrics_local.jsonl" "$out/metrics_verl.jsonl" \
+        --labels "local (1 GPU)" "verl ($gpus GPUs)" | tee "$out/table.md"
+fi

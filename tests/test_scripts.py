@@ -128,6 +128,8 @@ def test_run_baseline_trains_from_the_base_model_and_prints_the_summary(tmp_path
      "SEED must be an integer >= 0, got '-1'"),
     ("benchmarks/backend_parity_sokoban.sh", ("/nonexistent/out",), {"PATH": "/usr/bin:/bin"},
      "no GPU found (nvidia-smi lists none)"),
+    ("benchmarks/backend_speed.sh", ("/nonexistent/out",), {"BACKENDS": "local vllm"},
+     "BACKENDS takes local and/or verl, got 'vllm'"),
 ])
 def test_scripts_report_user_errors_in_one_line(script, args, env, message):
     result = _run(script, *args, env=env, timeout=120)
