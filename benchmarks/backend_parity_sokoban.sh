@@ -5,9 +5,10 @@
 #   bash benchmarks/backend_parity_sokoban.sh <out_dir> [sft_checkpoint] [STEPS=20] [-- overrides of both runs]
 #
 # Without a checkpoint, stages 1-2 of run_spa.sh make one first: random-action self-play data (CPU, seconds) and
-# the preset's SFT over all GPUs (MODEL=smollm2-135m: 2 epochs). PPO goes through train_ppo_sfted.sh, with the
-# original's base prompts: the SFT checkpoint starts near 0 there and PPO recovers the answer format within about
-# 10 steps (docs/smollm2.md), a learning signal both backends must show. Validation: the 128 validation puzzles ×
+# SFT on GPU 0 with SFT_OVERRIDES (default: 1 epoch, padded sdpa micro-batches of 8 rows, which need no compile;
+# about 4 minutes on an H100). PPO goes through train_ppo_sfted.sh, with the original's base prompts: the SFT
+# checkpoint starts near 0 there and PPO recovers the answer format within about 10 steps (docs/smollm2.md), a
+# learning signal both backends must show. Validation: the 128 validation puzzles ×
 # VAL_SAMPLES (2) every TEST_FREQ (5) steps. SEED (0) sets trainer.seed and generator.seed.
 # With 2 or more GPUs the two runs go side by side, local on GPU 0 and verl on GPU 1 (PARALLEL=1, the default);
 # PARALLEL=0 runs them one after the other, verl on all GPUs. Per-step metrics: <out>/{local,verl}_seed<SEED>.jsonl,
@@ -21,6 +22,9 @@ ckpt=""; [ $# -gt 0 ] && [ "$1" != -- ] && { ckpt="$1"; shift; }
 steps=20; [ $# -gt 0 ] && [ "$1" != -- ] && { steps="$1"; shift; }
 [ "${1:-}" = -- ] && shift
 work="${WORK:-/tmp/backend_parity_sokoban}"; seed="${SEED:-0}"
+# 1 epoch with padded sdpa micro-batches: no compile on a fresh host (flex attention compiled for minutes there)
+sft_default="trainer.total_epochs=1 model.attn_implementation=sdpa data.packing=false data.micro_batch_size_per_gpu=8"
+sft_overrides="${SFT_OVERRIDES:-$sft_default}"
 die() { echo "error: $*" >&2; exit 2; }
 [[ "$steps" =~ ^[1-9][0-9]*$ ]] || die "STEPS must be an integer >= 1, got '$steps'"
 [[ "$seed" =~ ^[0-9]+$ ]] || die "SEED must be an integer >= 0, got '$seed'"
@@ -40,7 +44,8 @@ if [ -z "$ckpt" ]; then
     python -m SPA_agent.generate_sft_data --config-name _2_sokoban model=smollm2-135m \
         render_mode=text_with_coordinates generator=random data_gen.num_batches=5 \
         data_gen.output_dir="$work/data" > "$out/data.log" 2>&1 || { echo "error: data ($out/data.log)" >&2; exit 1; }
-    bash sft/finetune_ft.sh _2_sokoban "$gpus" "$work/sft" "$work/data" smollm2-135m trainer.total_epochs=2 \
+    # shellcheck disable=SC2086
+    CUDA_VISIBLE_DEVICES=0 bash sft/finetune_ft.sh _2_sokoban 1 "$work/sft" "$work/data" smollm2-135m $sft_overrides \
         > "$out/sft.log" 2>&1 || { echo "error: SFT ($out/sft.log)" >&2; exit 1; }
     ckpt="$(ls -d "$work"/sft/global_step_* | sort -V | tail -1)"
     cp "$work/data/data_card.md" "$out/" 2>/dev/null
