@@ -22,16 +22,22 @@ shape="${1:-0.5b}"; [ $# -gt 0 ] && shift
 [ "${1:-}" = -- ] && shift
 work="${WORK:-/tmp/backend_speed}"
 backends="${BACKENDS:-local verl}"
+die() { echo "error: $*" >&2; exit 2; }
 for backend in $backends; do
-    case "$backend" in local|verl) ;; *) echo "error: BACKENDS takes local and/or verl, got '$backend'" >&2; exit 2 ;; esac
+    case "$backend" in local|verl) ;; *) die "BACKENDS takes local and/or verl, got '$backend'" ;; esac
 done
+case "${VOCAB:-}" in
+    ""|full) ;;
+    *) die "VOCAB takes full (or nothing: the tiny tokenizer's 860 ids), got '$VOCAB'" ;;
+esac
 cd "$(dirname "$0")/.."
 mkdir -p "$out" "$work"
 gpus="$(nvidia-smi --list-gpus | grep -c GPU)"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 model="$work/model_$shape"; vocab_args=()
 [ "${VOCAB:-}" = full ] && model="${model}_full_vocab" && vocab_args=(--full-vocab)
-[ -f "$model/config.json" ] || (cd benchmarks && python random_model.py --shape "$shape" --out "$model" "${vocab_args[@]}")
+[ -f "$model/config.json" ] ||
+    (cd benchmarks && python random_model.py --shape "$shape" --out "$model" "${vocab_args[@]}")
 
 run() {  # run NAME NGPUS [overrides...]: train_ppo_sfted.sh on the first NGPUS GPUs
     local name="$1" n="$2" start rc; shift 2

@@ -54,10 +54,12 @@ def main() -> None:
             outputs = llm.generate(prompts, sampling, use_tqdm=False)
             seconds = time.perf_counter() - start
             new = sum(len(o.outputs[0].token_ids) for o in outputs)
-            print(json.dumps({"batch": batch, "repeat": repeat, "seconds": round(seconds, 3),
-                              "new_tokens_per_s": round(new / seconds), "ms_per_step": round(1000 * seconds / args.new_tokens, 2),
-                              "async_scheduling": args.async_scheduling, **{k: engine[k] for k in ("max_num_seqs", "max_num_batched_tokens")}}),
-                  flush=True)
+            record = {"batch": batch, "repeat": repeat, "seconds": round(seconds, 3),
+                      "new_tokens_per_s": round(new / seconds),
+                      "ms_per_step": round(1000 * seconds / args.new_tokens, 2),
+                      "async_scheduling": args.async_scheduling, "max_num_seqs": engine["max_num_seqs"],
+                      "max_num_batched_tokens": engine["max_num_batched_tokens"]}
+            print(json.dumps(record), flush=True)
 
 
 if __name__ == "__main__":
