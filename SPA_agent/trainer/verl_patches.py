@@ -77,7 +77,7 @@ class CacheKeepingDevice:
     `keep` is set."""
 
     def __init__(self, device):
-        self._device, self.keep = device, False
+        self._device, self.keep, self.kept_last = device, False, None
 
     def __getattr__(self, name):
         return getattr(self._device, name)
@@ -103,9 +103,13 @@ def keep_training_cache_when_it_fits() -> None:
     async def update_weights(self, *args, **kwargs):
         rollout = self.config.rollout
         free, total = device.mem_get_info()
-        device.keep = keeps_training_cache(free, total, float(rollout.gpu_memory_utilization),
-                                           bool(rollout.free_cache_engine),
-                                           int(rollout.checkpoint_engine.update_weights_bucket_megabytes) << 20)
+        keep = keeps_training_cache(free, total, float(rollout.gpu_memory_utilization), bool(rollout.free_cache_engine),
+                                    int(rollout.checkpoint_engine.update_weights_bucket_megabytes) << 20)
+        if keep != device.kept_last:  # the first sync, and whenever the decision turns
+            print(f"[spa training cache] {'kept' if keep else 'emptied'} at the weight sync: {free / 2**30:.1f} of "
+                  f"{total / 2**30:.1f} GiB free, the engine takes {rollout.gpu_memory_utilization} of the GPU",
+                  flush=True)
+        device.keep = device.kept_last = keep
         try:
             return await sync(self, *args, **kwargs)
         finally:
