@@ -232,7 +232,9 @@ class VerlBackend:
             self._rollout_awake = False
 
     def step_timings(self) -> dict[str, float]:
-        """Weight sync and engine resume (`rollout_wake`), engine release (`rollout_sleep`)."""
+        """Weight sync and engine resume (`rollout_wake`), engine release (`rollout_sleep`), and each pass's
+        worker-group call (`<phase>_call`: dispatch to the workers, their work, collection; the rest of the phase
+        is the driver's layout)."""
         timings, self._timer = self._timer.metrics(), PhaseTimer()
         return timings
 
@@ -250,19 +252,21 @@ class VerlBackend:
         order = vl.balanced_order(batch.batch["attention_mask"], dp_size)
         return batch.select_idxs(order), order.argsort()
 
-    def _per_token_outputs(self, group_call, batch: DataProto, keys: dict[str, str], token_keys: tuple[str, ...],
-                           **meta) -> DataProto:
+    def _per_token_outputs(self, phase: str, group_call, batch: DataProto, keys: dict[str, str],
+                           token_keys: tuple[str, ...], **meta) -> DataProto:
         """`group_call` (a worker group method) on the batch in dispatch order; its per-token outputs `keys`
-        (worker key → our key) as (B, T-1) tensors in the batch's own order."""
+        (worker key → our key) as (B, T-1) tensors in the batch's own order. The call's round trip is timed as
+        `<phase>_call`."""
         self._sleep_rollout()
         ordered, restore = self._in_dispatch_order(batch)
         data = vl.worker_input(ordered, token_keys, **meta)
-        output = group_call(data)
+        with self._timer(f"{phase}_call"):
+            output = group_call(data)
         tensors = {ours: self._token_output(output, data, ordered, theirs) for theirs, ours in keys.items()}
         return DataProto.from_dict(tensors={k: v if restore is None else v[restore] for k, v in tensors.items()})
 
     def compute_log_prob(self, batch: DataProto) -> DataProto:
-        return self._per_token_outputs(self.workers.actor.compute_log_prob, batch,
+        return self._per_token_outputs("old_log_prob", self.workers.actor.compute_log_prob, batch,
                                        {"log_probs": "old_log_probs", "entropy": "entropys"}, ("response_mask",),
                                        temperature=self.temperature, calculate_entropy=True, compute_loss=False)
 
@@ -271,12 +275,12 @@ class VerlBackend:
             raise ValueError("no reference model: set actor_rollout_ref.actor.use_ref=True")
         group = self.workers.actor
         call = group.compute_log_prob if self.ref_in_actor else group.compute_ref_log_prob
-        return self._per_token_outputs(call, batch, {"log_probs": "ref_log_prob"}, ("response_mask",),
+        return self._per_token_outputs("ref", call, batch, {"log_probs": "ref_log_prob"}, ("response_mask",),
                                        temperature=self.temperature, calculate_entropy=False, compute_loss=False,
                                        **({"no_lora_adapter": True} if self.ref_in_actor else {}))
 
     def compute_values(self, batch: DataProto) -> DataProto:
-        values = self._per_token_outputs(lambda data: self.workers.critic.infer_batch(data).get(), batch,
+        values = self._per_token_outputs("values", lambda data: self.workers.critic.infer_batch(data).get(), batch,
                                          {"values": "values"}, ("response_mask",), temperature=self.temperature,
                                          compute_loss=False)
         values.batch["values"] = values.batch["values"] * batch.batch["response_mask"]
@@ -291,7 +295,8 @@ class VerlBackend:
         self._sleep_rollout()
         batch, _ = self._in_dispatch_order(batch)
         data = vl.worker_input(batch, ("response_mask", "values", "returns"), **self._update_meta(self.cfg.critic))
-        output = self.workers.critic.train_mini_batch(data).get()
+        with self._timer("update_critic_call"):
+            output = self.workers.critic.train_mini_batch(data).get()
         return _metrics(tu.get(output, "metrics"), "critic/")
 
     def update_actor(self, batch: DataProto) -> dict[str, float]:
@@ -301,7 +306,8 @@ class VerlBackend:
         keys = ("response_mask", "old_log_probs", "advantages") + (("ref_log_prob",) if actor.use_kl_loss else ())
         data = vl.worker_input(batch, keys, calculate_entropy=actor.entropy_coeff != 0, compute_loss=True,
                                distillation_use_topk=False, distillation_only=False, **self._update_meta(actor))
-        output = self.workers.actor.update_actor(data)
+        with self._timer("update_actor_call"):
+            output = self.workers.actor.update_actor(data)
         self._actor_updates += 1
         return _metrics(tu.get(output, "metrics"), "actor/")
 

@@ -134,6 +134,53 @@ def apply() -> None:
         keep_training_cache_when_it_fits()
     if os.environ.get("SPA_VERL_LOG_DEVICES") == "1":
         log_device_placement()
+    if os.environ.get("SPA_VERL_TIME_CALLS") == "1":
+        time_worker_calls()
+
+
+#: worker methods the driver calls each step, timed with SPA_VERL_TIME_CALLS=1 (class name → methods)
+TIMED_CALLS = {"ActorRolloutRefWorker": ("compute_log_prob", "compute_ref_log_prob", "update_actor", "update_weights"),
+               "TrainingWorker": ("infer_batch", "train_mini_batch")}
+
+
+def timed_call(method, label: str):
+    """`method` (sync or async) printing its wall seconds in the worker as `[spa worker seconds] <label> <s>`; verl's
+    dispatch attributes are kept (functools.wraps)."""
+    import inspect
+    import time
+
+    def report(start):
+        print(f"[spa worker seconds] {label} {time.perf_counter() - start:.4f}", flush=True)
+
+    if inspect.iscoroutinefunction(method):
+        @functools.wraps(method)
+        async def timed_async(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return await method(*args, **kwargs)
+            finally:
+                report(start)
+        return timed_async
+
+    @functools.wraps(method)
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            report(start)
+    return timed
+
+
+def time_worker_calls() -> None:
+    """With SPA_VERL_TIME_CALLS=1: every call of TIMED_CALLS prints its seconds inside the worker, to set against
+    the driver's `timing_s/<phase>_call` (the whole round trip) when a verl step is slower than its passes alone."""
+    from verl.workers import engine_workers
+
+    for class_name, methods in TIMED_CALLS.items():
+        cls = getattr(engine_workers, class_name)
+        for name in methods:
+            setattr(cls, name, timed_call(getattr(cls, name), f"{class_name}.{name}"))
 
 
 def log_device_placement() -> None:

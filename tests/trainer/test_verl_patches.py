@@ -162,3 +162,28 @@ def test_the_patch_replaces_verls_log_prob_function_where_its_engine_reads_it(pa
     assert verl_functional.FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE is False  # no flash-attn on this machine
     assert transformer_impl.logprobs_from_logits is verl_patches.logprobs_from_logits
     assert verl_functional.logprobs_from_logits is verl_patches.logprobs_from_logits
+
+
+def test_timed_worker_calls_print_their_seconds_and_keep_verls_dispatch(capsys):
+    from verl.single_controller.base.decorator import MAGIC_ATTR
+    from verl.workers import engine_workers
+
+    for class_name, names in verl_patches.TIMED_CALLS.items():  # the methods exist and verl registered them
+        for name in names:
+            assert hasattr(getattr(getattr(engine_workers, class_name), name), MAGIC_ATTR)
+
+    def step(x):
+        return x + 1
+
+    async def sync(x):
+        return x * 2
+
+    for function in (step, sync):
+        setattr(function, MAGIC_ATTR, {"blocking": False})
+    timed_step, timed_sync = verl_patches.timed_call(step, "W.step"), verl_patches.timed_call(sync, "W.sync")
+    assert timed_step(1) == 2 and asyncio.run(timed_sync(3)) == 6
+    assert inspect.iscoroutinefunction(timed_sync) and not inspect.iscoroutinefunction(timed_step)
+    assert getattr(timed_step, MAGIC_ATTR) == getattr(timed_sync, MAGIC_ATTR) == {"blocking": False}
+    printed = capsys.readouterr().out.splitlines()
+    assert [line.rsplit(" ", 1)[0] for line in printed] == ["[spa worker seconds] W.step", "[spa worker seconds] W.sync"]
+    assert all(float(line.rsplit(" ", 1)[1]) >= 0 for line in printed)
