@@ -6,7 +6,8 @@ Steady = the median over the steps after the first --skip (the first step pays C
 and allocator warm-up). Rows: the driver's phases (`timing_s/<phase>`, ppo_trainer.py), the step, and the step's
 sampled tokens; the last column is the second run's time over the first's. The verl backend's own rows are parts
 of the driver's: `rollout_wake` (weight sync and engine resume) of `gen`, `rollout_sleep` (engine release) of
-`old_log_prob`.
+`old_log_prob`, and `<pass>_call` of each training pass: the worker-group call (dispatch, the workers' work,
+collection), the rest of the pass being the driver's layout of the batch.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import json
 import statistics
 from pathlib import Path
 
-PHASES = ("gen", "rollout_wake", "filter", "old_log_prob", "rollout_sleep", "ref", "diagnostics", "values", "adv",
-          "update_critic", "update_actor")
+PHASES = ("gen", "rollout_wake", "filter", "old_log_prob", "rollout_sleep", "old_log_prob_call", "ref", "ref_call",
+          "diagnostics", "values", "values_call", "adv", "update_critic", "update_critic_call", "update_actor",
+          "update_actor_call")
 
 
 def steady(path: Path, skip: int) -> dict[str, float]:

@@ -32,7 +32,6 @@ from SPA_agent.generators.base import FINISH_LENGTH, FINISH_STOP, Generation, Pr
 from SPA_agent.trainer import verl_layout as vl
 from SPA_agent.trainer.metrics import PhaseTimer
 from SPA_agent.trainer.verl_config import INSTALL_HINT, build_verl_config, check_verl_config
-from SPA_agent.trainer.verl_patches import TRAINING_CACHE_ENV
 
 #: metric names of verl's workers → ours (as the local backend logs them)
 METRIC_NAMES = {"actor/entropy_loss": "actor/entropy", "actor/mfu": "perf/mfu/actor", "critic/mfu": "perf/mfu/critic"}
@@ -64,17 +63,15 @@ WORKER_SETUP_HOOK = "SPA_agent.trainer.verl_patches.apply"
 ALL_GPUS_VISIBLE_ENV = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 
 
-def ray_runtime_env(verl_cfg: DictConfig, all_gpus_visible: bool, training_cache: str = "release") -> dict:
-    """verl's PPO runtime environment for the Ray job, plus our worker setup hook (verl_patches) with
-    `verl_backend.training_cache` for it and, with `all_gpus_visible`, every GPU visible to every worker (each
-    selects its own by Ray's id)."""
+def ray_runtime_env(verl_cfg: DictConfig, all_gpus_visible: bool) -> dict:
+    """verl's PPO runtime environment for the Ray job, plus our worker setup hook (verl_patches) and, with
+    `all_gpus_visible`, every GPU visible to every worker (each selects its own by Ray's id)."""
     from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
 
     env = get_ppo_ray_runtime_env(verl_cfg)
-    env_vars = {**env.get("env_vars", {}), TRAINING_CACHE_ENV: training_cache}
     if all_gpus_visible:
-        env_vars[ALL_GPUS_VISIBLE_ENV] = "1"
-    return {**env, "env_vars": env_vars, "worker_process_setup_hook": WORKER_SETUP_HOOK}
+        env["env_vars"] = {**env.get("env_vars", {}), ALL_GPUS_VISIBLE_ENV: "1"}
+    return {**env, "worker_process_setup_hook": WORKER_SETUP_HOOK}
 
 
 def start_ray(backend_cfg: DictConfig, verl_cfg: DictConfig) -> None:
@@ -88,7 +85,7 @@ def start_ray(backend_cfg: DictConfig, verl_cfg: DictConfig) -> None:
         if backend_cfg.all_gpus_visible:  # a local cluster started here inherits it from this process
             os.environ.setdefault(ALL_GPUS_VISIBLE_ENV, "1")
         ray.init(address=backend_cfg.ray_address,
-                 runtime_env=ray_runtime_env(verl_cfg, bool(backend_cfg.all_gpus_visible), backend_cfg.training_cache))
+                 runtime_env=ray_runtime_env(verl_cfg, bool(backend_cfg.all_gpus_visible)))
 
 
 class VerlWorkers:

@@ -22,7 +22,6 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from SPA_agent.trainer.packing import PACKED_ATTENTION
-from SPA_agent.trainer.verl_patches import TRAINING_CACHE_MODES
 
 #: extra to install for this backend
 INSTALL_HINT = "pip install 'spa-agent[gpu]'"
@@ -204,9 +203,6 @@ def check_verl_config(cfg: DictConfig, verl_cfg: DictConfig) -> None:
     if backend.rollout_name not in ROLLOUT_ENGINES:
         raise ValueError(f"verl_backend.rollout_name must be one of {list(ROLLOUT_ENGINES)}, got "
                          f"{backend.rollout_name!r}")
-    if backend.training_cache not in TRAINING_CACHE_MODES:
-        raise ValueError(f"verl_backend.training_cache must be one of {list(TRAINING_CACHE_MODES)}, got "
-                         f"{backend.training_cache!r}")
     world = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
     tp = verl_cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
     if world % tp:

@@ -12,11 +12,6 @@
 3. Packed micro-batches (`use_remove_padding`) without flash-attn name `packing.PACKED_ATTENTION` as their
    attention (`verl_config.attention_settings`), registered here; and SDPA leaves out cuDNN, which plans anew for
    every sequence length (`packing.avoid_cudnn_attention`, as the local backend does).
-4. verl's weight sync (`ActorRolloutRefWorker.update_weights`) empties the training process's CUDA cache before
-   every rollout, so that the engine's KV cache finds the memory, whatever the model. Every pass of the next step
-   then maps its memory anew (expandable segments). With `verl_backend.training_cache=auto` the cache stays where
-   the GPU's free memory holds the engine's share beside it (`keeps_training_cache`), and is emptied as verl does
-   where not.
 """
 
 from __future__ import annotations
@@ -63,61 +58,6 @@ def _label_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return logits.gather(-1, labels[:, None]).squeeze(-1) - logits.logsumexp(-1)
 
 
-def keeps_training_cache(free_bytes: int, total_bytes: int, engine_share: float, engine_asleep: bool,
-                         bucket_bytes: int) -> bool:
-    """Whether the weight sync may leave the training cache in place: the GPU's free memory (measured with the
-    engine asleep) holds what the engine takes back when it wakes (`engine_share` of the GPU; nothing when it never
-    sleeps), the weight-sync buckets and TRAINING_CACHE_HEADROOM_BYTES."""
-    engine = engine_share * total_bytes if engine_asleep else 0
-    return free_bytes >= engine + bucket_bytes + TRAINING_CACHE_HEADROOM_BYTES
-
-
-class CacheKeepingDevice:
-    """Stands in for `torch.cuda` inside verl's engine_workers: all of it, but `empty_cache` does nothing while
-    `keep` is set."""
-
-    def __init__(self, device):
-        self._device, self.keep, self.kept_last = device, False, None
-
-    def __getattr__(self, name):
-        return getattr(self._device, name)
-
-    def empty_cache(self) -> None:
-        if not self.keep:
-            self._device.empty_cache()
-
-
-def keep_training_cache_when_it_fits() -> None:
-    """`update_weights` of verl's actor workers leaves this process's CUDA cache alone where the engine's memory
-    fits beside it (`keeps_training_cache`). The expandable-segment switches around the sync stay: the buffers
-    sent to the engine over CUDA IPC must not come from expandable segments, and PyTorch's allocator then takes
-    only regular blocks from its cache."""
-    from verl.workers import engine_workers
-
-    device = CacheKeepingDevice(engine_workers.get_torch_device())
-    engine_workers.get_torch_device = lambda: device
-    worker = engine_workers.ActorRolloutRefWorker
-    sync = worker.update_weights
-
-    @functools.wraps(sync)
-    async def update_weights(self, *args, **kwargs):
-        rollout = self.config.rollout
-        free, total = device.mem_get_info()
-        keep = keeps_training_cache(free, total, float(rollout.gpu_memory_utilization), bool(rollout.free_cache_engine),
-                                    int(rollout.checkpoint_engine.update_weights_bucket_megabytes) << 20)
-        if keep != device.kept_last:  # the first sync, and whenever the decision turns
-            print(f"[spa training cache] {'kept' if keep else 'emptied'} at the weight sync: {free / 2**30:.1f} of "
-                  f"{total / 2**30:.1f} GiB free, the engine takes {rollout.gpu_memory_utilization} of the GPU",
-                  flush=True)
-        device.keep = device.kept_last = keep
-        try:
-            return await sync(self, *args, **kwargs)
-        finally:
-            device.keep = False
-
-    worker.update_weights = update_weights
-
-
 def apply() -> None:
     import os
 
@@ -130,8 +70,6 @@ def apply() -> None:
     avoid_cudnn_attention()
     if not verl_functional.FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE:  # flash-attn's kernel is vectorised already
         verl_functional.logprobs_from_logits = transformer_impl.logprobs_from_logits = logprobs_from_logits
-    if os.environ.get(TRAINING_CACHE_ENV, "release") == "auto":
-        keep_training_cache_when_it_fits()
     if os.environ.get("SPA_VERL_LOG_DEVICES") == "1":
         log_device_placement()
     if os.environ.get("SPA_VERL_TIME_CALLS") == "1":

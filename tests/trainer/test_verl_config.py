@@ -162,7 +162,6 @@ def test_auto_tensor_parallel_is_the_default_and_lands_in_verls_rollout_config()
     ("actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=False", "log_prob_use_dynamic_bsz .* must be equal"),
     ("trainer.n_gpus_per_node=8", "multiple of the 8 GPUs"),
     ("verl_backend.rollout_name=hf", "rollout_name"),
-    ("verl_backend.training_cache=keep", r"training_cache must be one of \['auto', 'release'\], got 'keep'"),
 ])
 def test_bad_settings_name_the_key(override, message):
     from SPA_agent.config import compose

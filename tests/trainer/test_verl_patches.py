@@ -1,13 +1,12 @@
 """The verl fixes applied in every Ray worker: the critic's value model loads without flash-attn (issue 16); log-probs
-in chunks, packed micro-batches through the per-sequence attention, SDPA without cuDNN, the training cache kept
-through the weight sync where the engine fits beside it (issue 28)."""
+in chunks, packed micro-batches through the per-sequence attention, SDPA without cuDNN; the worker calls timed on request
+(issue 28)."""
 
 from __future__ import annotations
 
 import asyncio
 import importlib
 import inspect
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -64,73 +63,6 @@ def test_every_ray_worker_runs_the_patch_and_sees_the_gpus_as_configured(all_gpu
     assert "TOKENIZERS_PARALLELISM" in env["env_vars"]  # verl's own runtime environment is kept
     # one GPU visible per worker made NCCL stop with "Duplicate GPU detected" on 2× H200 (issue 16)
     assert (env["env_vars"].get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES") == "1") is all_gpus_visible
-
-
-@pytest.mark.parametrize("mode", verl_patches.TRAINING_CACHE_MODES)
-def test_the_training_cache_setting_reaches_every_worker(mode):
-    cfg = compose("_2_sokoban", ["model=tiny", "trainer.backend=verl", f"verl_backend.training_cache={mode}"])
-    env = verl_backend.ray_runtime_env(verl_config.build_verl_config(cfg), False, cfg.verl_backend.training_cache)
-    assert env["env_vars"][verl_patches.TRAINING_CACHE_ENV] == mode
-
-
-GIB = 1 << 30
-
-
-@pytest.mark.parametrize(("free_gib", "engine_asleep", "keeps"), [
-    (44, True, True),  # 0.5 × 80 for the engine + 2 for the sync's bucket + 2 of headroom
-    (43.9, True, False),
-    (66, True, True),  # two H100s, 0.5B shape: about 11 GiB cached by the training passes
-    (4, False, True),  # an engine that never sleeps holds its memory already
-    (3.9, False, False),
-])
-def test_the_training_cache_stays_only_where_the_engine_fits_beside_it(free_gib, engine_asleep, keeps):
-    assert verl_patches.keeps_training_cache(int(free_gib * GIB), 80 * GIB, 0.5, engine_asleep, 2 * GIB) is keeps
-
-
-class RecordingDevice:
-    """A stand-in for torch.cuda with a given free memory; counts its cache releases."""
-
-    def __init__(self, free_gib):
-        self.free_gib, self.releases = free_gib, 0
-
-    def mem_get_info(self):
-        return int(self.free_gib * GIB), 80 * GIB
-
-    def empty_cache(self):
-        self.releases += 1
-
-    def synchronize(self):
-        pass
-
-
-@pytest.mark.parametrize(("free_gib", "releases"), [(66, 0), (30, 2)])
-def test_the_weight_sync_empties_the_cache_only_where_the_engine_would_not_fit(monkeypatch, free_gib, releases):
-    from verl.single_controller.base.decorator import MAGIC_ATTR
-    from verl.workers import engine_workers
-
-    worker = engine_workers.ActorRolloutRefWorker
-    # the patch relies on verl's sync reaching the device through engine_workers.get_torch_device
-    assert {"get_torch_device", "empty_cache"} <= set(inspect.unwrap(worker.update_weights).__code__.co_names)
-    dispatch = getattr(worker.update_weights, MAGIC_ATTR)
-    device = RecordingDevice(free_gib)
-
-    async def verls_sync(self, global_steps=None, mode="auto"):  # what update_weights does with the cache
-        engine_workers.get_torch_device().empty_cache()
-        engine_workers.get_torch_device().synchronize()
-        engine_workers.get_torch_device().empty_cache()
-        return global_steps
-
-    setattr(verls_sync, MAGIC_ATTR, dispatch)
-    monkeypatch.setattr(engine_workers, "get_torch_device", lambda: device)
-    monkeypatch.setattr(worker, "update_weights", verls_sync)
-    verl_patches.keep_training_cache_when_it_fits()
-    rollout = verl_config.verl_defaults().actor_rollout_ref.rollout  # 0.5 of the GPU, buckets of 2 GiB
-    this = SimpleNamespace(config=SimpleNamespace(rollout=rollout))
-    assert asyncio.run(worker.update_weights(this, global_steps=3)) == 3
-    assert device.releases == releases
-    assert getattr(worker.update_weights, MAGIC_ATTR) == dispatch  # Ray still dispatches it as verl declared
-    engine_workers.get_torch_device().empty_cache()  # outside the sync the cache is emptied as asked
-    assert device.releases == releases + 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
