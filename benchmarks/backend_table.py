@@ -3,11 +3,11 @@
     python benchmarks/backend_table.py <metrics.jsonl> <metrics.jsonl> [--labels A B] [--skip 1]
 
 Steady = the median over the steps after the first --skip (the first step pays CUDA-graph captures, compilation
-and allocator warm-up). Rows: the driver's phases (`timing_s/<phase>`, ppo_trainer.py), the step, and the step's
-sampled tokens; the last column is the second run's time over the first's. The verl backend's own rows are parts
-of the driver's: `rollout_wake` (weight sync and engine resume) of `gen`, `rollout_sleep` (engine release) of
-`old_log_prob`, and `<pass>_call` of each training pass: the worker-group call (dispatch, the workers' work,
-collection), the rest of the pass being the driver's layout of the batch.
+and allocator warm-up). Rows: the driver's phases (`timing_s/<phase>`, ppo_trainer.py) and the step, without the
+checkpoint save or validation that some steps end with; the last column is the second run's time over the first's.
+The verl backend's own rows are parts of the driver's: `rollout_wake` (weight sync and engine resume) of `gen`,
+`rollout_sleep` (engine release) of `old_log_prob`, and `<pass>_call` of each training pass: the worker-group call
+(dispatch, the workers' work, collection), the rest of the pass being the driver's layout of the batch.
 """
 
 from __future__ import annotations
@@ -20,12 +20,16 @@ from pathlib import Path
 PHASES = ("gen", "rollout_wake", "filter", "old_log_prob", "rollout_sleep", "old_log_prob_call", "ref", "ref_call",
           "diagnostics", "values", "values_call", "adv", "update_critic", "update_critic_call", "update_actor",
           "update_actor_call")
+#: timed parts of a step that are not its training (ppo_trainer.py), left out of the step row
+STEP_EXTRAS = ("save_checkpoint", "testing")
 
 
 def steady(path: Path, skip: int) -> dict[str, float]:
     """Median seconds of each timed phase over the steps after the first `skip`."""
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     records = [r for r in records if "timing_s/step" in r]
+    for r in records:  # the step's training, without the checkpoint save or validation some steps end with
+        r["timing_s/step"] -= sum(r.get(f"timing_s/{extra}", 0.0) for extra in STEP_EXTRAS)
     kept = records[skip:] or records[-1:]
     keys = {k for r in kept for k in r if k.startswith("timing_s/")}
     return {k.removeprefix("timing_s/"): statistics.median(r[k] for r in kept if k in r) for k in keys} | {
