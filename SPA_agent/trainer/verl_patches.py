@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import functools
+from contextlib import contextmanager
 
 import torch
 
@@ -73,19 +74,26 @@ def apply() -> None:
     if os.environ.get("SPA_VERL_LOG_DEVICES") == "1":
         log_device_placement()
     if os.environ.get("SPA_VERL_TIME_CALLS") == "1":
-        time_worker_calls()
+        time_worker_calls(os.environ.get("SPA_VERL_PROFILE_CALL", ""))
 
 
 #: worker methods the driver calls each step, timed with SPA_VERL_TIME_CALLS=1 (class name → methods)
 TIMED_CALLS = {"ActorRolloutRefWorker": ("compute_log_prob", "compute_ref_log_prob", "update_actor", "update_weights"),
                "TrainingWorker": ("infer_batch", "train_mini_batch")}
+#: which call of the method SPA_VERL_PROFILE_CALL names is profiled: the first ones pay compilation and warm-up
+PROFILED_CALL = 3
 
 
-def timed_call(method, label: str):
+def timed_call(method, label: str, profile: bool = False):
     """`method` (sync or async) printing its wall seconds in the worker as `[spa worker seconds] <label> <s>`; verl's
-    dispatch attributes are kept (functools.wraps)."""
+    dispatch attributes are kept (functools.wraps). With `profile` (sync methods), its PROFILED_CALL-th call also
+    prints its costliest operators by GPU time under torch's profiler, whose totals (self CPU and self CUDA time)
+    tell how long the GPU sat idle in it."""
     import inspect
     import time
+    from contextlib import nullcontext
+
+    calls = 0
 
     def report(start):
         print(f"[spa worker seconds] {label} {time.perf_counter() - start:.4f}", flush=True)
@@ -102,23 +110,45 @@ def timed_call(method, label: str):
 
     @functools.wraps(method)
     def timed(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        profiling = profile and calls == PROFILED_CALL
         start = time.perf_counter()
         try:
-            return method(*args, **kwargs)
+            with operator_table(label) if profiling else nullcontext():
+                return method(*args, **kwargs)
         finally:
             report(start)
     return timed
 
 
-def time_worker_calls() -> None:
+@contextmanager
+def operator_table(label: str):
+    """Profile the block (CPU and CUDA) and print its 20 costliest operators by GPU time, with the totals."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        yield
+        if cuda:
+            torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=20,
+                                      max_name_column_width=60)
+    print(f"[spa worker profile] {label}\n{table}", flush=True)
+
+
+def time_worker_calls(profiled: str = "") -> None:
     """With SPA_VERL_TIME_CALLS=1: every call of TIMED_CALLS prints its seconds inside the worker, to set against
-    the driver's `timing_s/<phase>_call` (the whole round trip) when a verl step is slower than its passes alone."""
+    the driver's `timing_s/<phase>_call` (the whole round trip) when a verl step is slower than its passes alone;
+    `profiled` (SPA_VERL_PROFILE_CALL, e.g. `ActorRolloutRefWorker.compute_ref_log_prob`) names the one method
+    whose PROFILED_CALL-th call prints its operator table."""
     from verl.workers import engine_workers
 
     for class_name, methods in TIMED_CALLS.items():
         cls = getattr(engine_workers, class_name)
         for name in methods:
-            setattr(cls, name, timed_call(getattr(cls, name), f"{class_name}.{name}"))
+            label = f"{class_name}.{name}"
+            setattr(cls, name, timed_call(getattr(cls, name), label, profile=label == profiled))
 
 
 def log_device_placement() -> None:

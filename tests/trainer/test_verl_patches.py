@@ -119,3 +119,14 @@ def test_timed_worker_calls_print_their_seconds_and_keep_verls_dispatch(capsys):
     printed = capsys.readouterr().out.splitlines()
     assert [line.rsplit(" ", 1)[0] for line in printed] == ["[spa worker seconds] W.step", "[spa worker seconds] W.sync"]
     assert all(float(line.rsplit(" ", 1)[1]) >= 0 for line in printed)
+
+
+def test_the_named_call_prints_its_operator_table_once_after_warm_up(capsys):
+    def step(x):
+        return torch.ones(64, 64) @ torch.ones(64, 64) + x
+
+    timed = verl_patches.timed_call(step, "W.step", profile=True)
+    for call in range(1, verl_patches.PROFILED_CALL + 2):
+        timed(call)
+        tables = capsys.readouterr().out.count("[spa worker profile] W.step")
+        assert tables == (call == verl_patches.PROFILED_CALL)
