@@ -12,23 +12,21 @@
 3. Packed micro-batches (`use_remove_padding`) without flash-attn name `packing.PACKED_ATTENTION` as their
    attention (`verl_config.attention_settings`), registered here; and SDPA leaves out cuDNN, which plans anew for
    every sequence length (`packing.avoid_cudnn_attention`, as the local backend does).
+
+Diagnostics on request: SPA_VERL_LOG_DEVICES=1 (each worker's ranks and GPUs) and SPA_VERL_TIME_CALLS=1 (the
+seconds of each call inside the workers, `time_worker_calls`).
 """
 
 from __future__ import annotations
 
 import functools
-from contextlib import contextmanager
+import inspect
+import time
+from contextlib import contextmanager, nullcontext
 
 import torch
 
 from SPA_agent.trainer.packing import avoid_cudnn_attention, register_packed_attention
-
-#: environment variable carrying `verl_backend.training_cache` to the workers (verl_backend.ray_runtime_env)
-TRAINING_CACHE_ENV = "SPA_VERL_TRAINING_CACHE"
-#: what `verl_backend.training_cache` takes: keep the cache where the engine fits beside it, or verl's behaviour
-TRAINING_CACHE_MODES = ("auto", "release")
-#: free memory kept beyond the engine's share when the training cache stays (weight-sync buffers, allocator slack)
-TRAINING_CACHE_HEADROOM_BYTES = 2 << 30
 
 #: rows (tokens) per logsumexp in `logprobs_from_logits`: 2,048 × a 152k vocabulary is 1.2 GB of float32
 LOGPROB_CHUNK_ROWS = 2048
@@ -89,10 +87,6 @@ def timed_call(method, label: str, profile: bool = False):
     dispatch attributes are kept (functools.wraps). With `profile` (sync methods), its PROFILED_CALL-th call also
     prints its costliest operators by GPU time under torch's profiler, whose totals (self CPU and self CUDA time)
     tell how long the GPU sat idle in it."""
-    import inspect
-    import time
-    from contextlib import nullcontext
-
     calls = 0
 
     def report(start):
