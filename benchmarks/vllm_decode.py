@@ -7,8 +7,12 @@ What the verl backend's generation phase takes per turn beyond this is its reque
 server). Prints one JSON line per timed call: seconds, new tokens per second, milliseconds per decoding step.
 
     python benchmarks/vllm_decode.py --model DIR [--batches 128 256] [--repeats 3] [--async-scheduling]
+        [--engine KEY=VALUE ...]
 
-The JSON lines also carry the engine's sequence and token limits, and `async_scheduling` (whether it was forced).
+`--engine` overrides one of `vllm.LLM`'s engine arguments (repeatable; VALUE is read as JSON where it parses, else
+as a string), e.g. `--engine max_num_batched_tokens=32768` or `--engine 'compilation_config={"cudagraph_mode":
+"FULL_DECODE_ONLY"}'`, to try an engine setting against the rollout's. The JSON lines also carry the engine's
+sequence and token limits, `async_scheduling` (whether it was forced) and the overrides.
 """
 
 from __future__ import annotations
@@ -17,8 +21,21 @@ import argparse
 import json
 import random
 import time
+from typing import Any
 
 from SPA_agent.config import compose
+
+
+def engine_override(text: str) -> tuple[str, Any]:
+    """`KEY=VALUE` → (key, value), the value read as JSON where it parses (numbers, booleans, objects), else kept
+    as a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key.strip(), json.loads(value)
+    except json.JSONDecodeError:
+        return key.strip(), value
 
 
 def main() -> None:
@@ -30,6 +47,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--async-scheduling", action="store_true",
                         help="force vLLM's async scheduling on (CPU overlaps GPU); without it vLLM decides")
+    parser.add_argument("--engine", type=engine_override, action="append", default=[], metavar="KEY=VALUE",
+                        help="an engine argument of vllm.LLM over the rollout's (repeatable)")
     args = parser.parse_args()
 
     from transformers import AutoConfig
@@ -40,7 +59,7 @@ def main() -> None:
     engine = {"gpu_memory_utilization": rollout.gpu_memory_utilization, "max_model_len": rollout.max_model_len,
               "max_num_seqs": rollout.max_num_seqs, "max_num_batched_tokens": rollout.max_num_batched_tokens,
               "enable_prefix_caching": True, "enforce_eager": False, "dtype": "bfloat16", "seed": 0,
-              **({"async_scheduling": True} if args.async_scheduling else {})}
+              **({"async_scheduling": True} if args.async_scheduling else {}), **dict(args.engine)}
     llm = LLM(model=args.model, **engine)
     vocab = AutoConfig.from_pretrained(args.model).vocab_size
     sampling = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=args.new_tokens, ignore_eos=True,
@@ -58,7 +77,7 @@ def main() -> None:
                       "new_tokens_per_s": round(new / seconds),
                       "ms_per_step": round(1000 * seconds / args.new_tokens, 2),
                       "async_scheduling": args.async_scheduling, "max_num_seqs": engine["max_num_seqs"],
-                      "max_num_batched_tokens": engine["max_num_batched_tokens"]}
+                      "max_num_batched_tokens": engine["max_num_batched_tokens"], "engine_overrides": dict(args.engine)}
             print(json.dumps(record), flush=True)
 
 
