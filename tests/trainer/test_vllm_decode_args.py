@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "vllm_decode.py"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+SCRIPT = BENCHMARKS / "vllm_decode.py"
+sys.path.insert(0, str(BENCHMARKS))
 
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("vllm_decode", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from vllm_decode import engine_override  # noqa: E402
 
 
 @pytest.mark.parametrize(("text", "pair"), [
@@ -29,7 +24,7 @@ def load_script():
     ("kv_cache_dtype=", ("kv_cache_dtype", "")),
 ])
 def test_an_engine_override_is_read_as_json_where_it_parses(text, pair):
-    assert load_script().engine_override(text) == pair
+    assert engine_override(text) == pair
 
 
 @pytest.mark.parametrize("bad", ["max_num_seqs", "=3"])
