@@ -7,7 +7,8 @@ and allocator warm-up). Rows: the driver's phases (`timing_s/<phase>`, ppo_train
 checkpoint save or validation that some steps end with; the last column is the second run's time over the first's.
 The verl backend's own rows are parts of the driver's: `rollout_wake` (weight sync and engine resume) of `gen`,
 `rollout_sleep` (engine release) of `old_log_prob`, and `<pass>_call` of each training pass: the worker-group call
-(dispatch, the workers' work, collection), the rest of the pass being the driver's layout of the batch.
+(dispatch, the workers' work, collection), the rest of the pass being the driver's layout of the batch. Last,
+`gc_full`: the driver's full garbage collections within the step, part of whichever phases they fell in.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def steady(path: Path, skip: int) -> dict[str, float]:
 
 def table(runs: list[dict[str, float]], labels: list[str]) -> str:
     lines = [f"| phase (s) | {' | '.join(labels)} | ratio |", "|---|" + "---|" * (len(labels) + 1)]
-    for phase in (*PHASES, "step"):
+    for phase in (*PHASES, "step", "gc_full"):
         if not any(phase in run for run in runs):
             continue
         values = [run.get(phase) for run in runs]

@@ -34,7 +34,7 @@ from SPA_agent.runs.progress import plain_line, progress_bar
 from SPA_agent.trainer import algos, checkpoint
 from SPA_agent.trainer.backend import WorkerGroup
 from SPA_agent.trainer.diagnostics import Diagnostics
-from SPA_agent.trainer.metrics import PhaseTimer, data_metrics, mean_metrics, prefixed
+from SPA_agent.trainer.metrics import FullCollections, PhaseTimer, data_metrics, mean_metrics, prefixed
 
 
 class PPOTrainer:
@@ -61,7 +61,7 @@ class PPOTrainer:
         steps = range(self.global_step + 1, self.total_steps + 1)
         for step in progress_bar(steps, desc="ppo", initial=self.global_step, total=self.total_steps, lines=False):
             timer = PhaseTimer(report=lambda phase, seconds, step=step: _report_phase(step, phase, seconds))
-            with timer("step"):
+            with timer("step"), FullCollections() as collections:
                 metrics = self.train_step(step, timer)
                 last = step == self.total_steps
                 if trainer_cfg.test_freq > 0 and (step % trainer_cfg.test_freq == 0 or last):
@@ -71,7 +71,7 @@ class PPOTrainer:
                 if (trainer_cfg.save_freq > 0 and step % trainer_cfg.save_freq == 0) or last:
                     with timer("save_checkpoint"):
                         self.save()
-            self.logger.log({**metrics, **timer.metrics()}, step=step)
+            self.logger.log({**metrics, **timer.metrics(), "timing_s/gc_full": collections.seconds}, step=step)
 
     def train_step(self, step: int, timer: PhaseTimer) -> dict[str, float]:
         """One PPO iteration; returns its metrics (timings are added to `timer`)."""

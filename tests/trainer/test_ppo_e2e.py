@@ -24,6 +24,7 @@ TRAIN_KEYS = (
     "critic/values/mean", "critic/vf_explained_var", "rollout/old_log_prob", "rollout/ref_log_prob",
     "rollout/in_group_std", "rollout/chosen_in_group_std", "timing_s/gen", "timing_s/old_log_prob",
     "timing_s/ref", "timing_s/values", "timing_s/update_critic", "timing_s/update_actor", "timing_s/step",
+    "timing_s/gc_full",
     "diag/entropy/all", "diag/token_share/other", "diag/kl_ref", "train/diag/distinct_in_group",
     "train/diag/distinct_batch", "train/diag/format_valid", "timing_s/diagnostics",
 )
