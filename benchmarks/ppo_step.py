@@ -26,7 +26,7 @@ import json
 import statistics
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -37,6 +37,7 @@ from SPA_agent.config import compose
 from SPA_agent.generators.base import Prompt
 from SPA_agent.trainer import algos
 from SPA_agent.trainer.local_backend import LocalBackend
+from SPA_agent.trainer.metrics import operator_table
 
 EOS_IDS, PAD_ID = [1, 2], 0  # ids the random prompts never contain
 
@@ -68,20 +69,6 @@ def sync() -> None:
 
 
 @contextmanager
-def kernel_table(enabled: bool):
-    """With `enabled`, profile the block and print its 25 costliest GPU kernels (by total GPU time)."""
-    if not enabled:
-        yield
-        return
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        yield
-        sync()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=80), flush=True)
-
-
-@contextmanager
 def phase(name: str, results: list[dict], profile: str | None = None, **extra):
     """Time a phase and record its peak GPU memory; append one result and print it as a JSON line. When
     `profile` names this phase, also print its kernel table (the time then includes the profiler's overhead)."""
@@ -89,7 +76,7 @@ def phase(name: str, results: list[dict], profile: str | None = None, **extra):
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    with kernel_table(profile == name):
+    with operator_table(name) if profile == name else nullcontext():
         yield
     sync()
     row = {"metric": f"ppo_step/{name}", "seconds": round(time.perf_counter() - start, 3), "unit": "s", **extra}

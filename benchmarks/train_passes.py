@@ -16,7 +16,7 @@ start. `--set` overrides our config (Hydra syntax), verl's own keys through `ver
 
 Prints one JSON line per repeat (seconds per pass, the slowest rank's) and the median of the repeats after the
 first (which includes warm-up); --out appends them to a JSON-lines file with the settings. --profile PASS prints
-that pass's 25 costliest GPU kernels in the last repeat (rank 0; "Self CUDA time total" against the pass's
+that pass's 25 costliest operators by GPU time in the last repeat (rank 0; "Self CUDA time total" against the pass's
 seconds tells how long the GPU sat idle).
 """
 
@@ -29,6 +29,7 @@ import os
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -38,10 +39,9 @@ from verl import DataProto
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ppo_step import kernel_table  # noqa: E402
-
 from SPA_agent.config import compose  # noqa: E402
 from SPA_agent.trainer import verl_layout  # noqa: E402
+from SPA_agent.trainer.metrics import operator_table  # noqa: E402
 
 #: the passes in the order a PPO step runs them
 PASSES = ("old_log_prob", "ref", "values", "update_critic", "update_actor")
@@ -117,7 +117,7 @@ def one_step(backend, batch: DataProto, sync, profile: str | None = None) -> dic
     def timed(name, fn, *args):
         sync()
         start = time.perf_counter()
-        with kernel_table(name == profile):
+        with operator_table(name) if name == profile else nullcontext():
             out = fn(*args)
             sync()
         seconds[name] = time.perf_counter() - start

@@ -35,6 +35,23 @@ class PhaseTimer:
         return {f"timing_s/{phase}": seconds for phase, seconds in self.seconds.items()}
 
 
+@contextmanager
+def operator_table(title: str, rows: int = 25) -> Iterator[None]:
+    """Profile the block (CPU, and CUDA where there is a GPU) and print `title` and its `rows` costliest operators
+    by their own GPU time (CPU time without a GPU); the table's totals of self CPU and self CUDA time tell how long
+    the GPU sat idle in the block. Its wall time then includes the profiler's overhead."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        yield
+        if cuda:
+            torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
+                                      row_limit=rows, max_name_column_width=80)
+    print(f"{title}\n{table}", flush=True)
+
+
 class FullCollections:
     """Seconds this process spends in Python's full (generation 2) garbage collections while the context is open
     (`timing_s/gc_full`). A full collection walks every tracked object the driver holds, its libraries' included

@@ -22,10 +22,11 @@ from __future__ import annotations
 import functools
 import inspect
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import torch
 
+from SPA_agent.trainer.metrics import operator_table
 from SPA_agent.trainer.packing import avoid_cudnn_attention, register_packed_attention
 
 #: rows (tokens) per logsumexp in `logprobs_from_logits`: 2,048 × a 152k vocabulary is 1.2 GB of float32
@@ -85,8 +86,7 @@ PROFILED_CALL = 3
 def timed_call(method, label: str, profile: bool = False):
     """`method` (sync or async) printing its wall seconds in the worker as `[spa worker seconds] <label> <s>`; verl's
     dispatch attributes are kept (functools.wraps). With `profile` (sync methods), its PROFILED_CALL-th call also
-    prints its costliest operators by GPU time under torch's profiler, whose totals (self CPU and self CUDA time)
-    tell how long the GPU sat idle in it."""
+    prints its operator table (`metrics.operator_table`)."""
     calls = 0
 
     def report(start):
@@ -109,26 +109,11 @@ def timed_call(method, label: str, profile: bool = False):
         profiling = profile and calls == PROFILED_CALL
         start = time.perf_counter()
         try:
-            with operator_table(label) if profiling else nullcontext():
+            with operator_table(f"[spa worker profile] {label}") if profiling else nullcontext():
                 return method(*args, **kwargs)
         finally:
             report(start)
     return timed
-
-
-@contextmanager
-def operator_table(label: str):
-    """Profile the block (CPU and CUDA) and print its 20 costliest operators by GPU time, with the totals."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = torch.cuda.is_available()
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        yield
-        if cuda:
-            torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=20,
-                                      max_name_column_width=60)
-    print(f"[spa worker profile] {label}\n{table}", flush=True)
 
 
 def time_worker_calls(profiled: str = "") -> None:
