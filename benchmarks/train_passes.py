@@ -14,7 +14,7 @@ rollout engine: a setting's effect on the passes takes about a minute to measure
 start. `--set` overrides our config (Hydra syntax), verl's own keys through `verl_backend.verl_config`, e.g.
 `--set +verl_backend.verl_config.actor_rollout_ref.actor.strategy=fsdp2`.
 
-Prints one JSON line per repeat (seconds per pass, the slowest rank's) and the median of the repeats after the
+Prints one JSON line per repeat (seconds per pass, the slowest rank's; then rank 0's thread CPU seconds per pass) and the median of the repeats after the
 first (which includes warm-up); --out appends them to a JSON-lines file with the settings. --profile PASS prints
 that pass's 25 costliest operators by GPU time in the last repeat (rank 0; "Self CUDA time total" against the pass's
 seconds tells how long the GPU sat idle).
@@ -110,17 +110,20 @@ def verl_backend(cfg, tokenizer):
 
 
 def one_step(backend, batch: DataProto, sync, profile: str | None = None) -> dict[str, float]:
-    """Seconds of each pass of one PPO step on `batch` (values and old log-probs from the backend itself); the
-    pass named `profile` also prints its kernel table (its time then includes the profiler's overhead)."""
-    seconds = {}
+    """Seconds of each pass of one PPO step on `batch` (values and old log-probs from the backend itself), their
+    total, then each pass's `<pass>_thread_cpu`: the CPU seconds of this process's main thread in it (near the pass's
+    seconds when launching its kernels bounds it). The pass named `profile` also prints its kernel table (its time
+    then includes the profiler's overhead)."""
+    seconds, thread_cpu = {}, {}
 
     def timed(name, fn, *args):
         sync()
-        start = time.perf_counter()
+        start, thread_start = time.perf_counter(), time.thread_time()
         with operator_table(name) if name == profile else nullcontext():
             out = fn(*args)
             sync()
         seconds[name] = time.perf_counter() - start
+        thread_cpu[f"{name}_thread_cpu"] = time.thread_time() - thread_start
         return out
 
     batch = batch.union(timed("old_log_prob", backend.compute_log_prob, batch))
@@ -130,7 +133,7 @@ def one_step(backend, batch: DataProto, sync, profile: str | None = None) -> dic
     timed("update_critic", backend.update_critic, batch)
     timed("update_actor", backend.update_actor, batch)
     seconds["total"] = sum(seconds.values())
-    return seconds
+    return {**seconds, **thread_cpu}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -22,11 +22,11 @@ from __future__ import annotations
 import functools
 import inspect
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 
-from SPA_agent.trainer.metrics import operator_table
+from SPA_agent.trainer.metrics import FullCollections, operator_table
 from SPA_agent.trainer.packing import avoid_cudnn_attention, register_packed_attention
 
 #: rows (tokens) per logsumexp in `logprobs_from_logits`: 2,048 × a 152k vocabulary is 1.2 GB of float32
@@ -84,22 +84,28 @@ PROFILED_CALL = 3
 
 
 def timed_call(method, label: str, profile: bool = False):
-    """`method` (sync or async) printing its wall seconds in the worker as `[spa worker seconds] <label> <s>`; verl's
-    dispatch attributes are kept (functools.wraps). With `profile` (sync methods), its PROFILED_CALL-th call also
-    prints its operator table (`metrics.operator_table`)."""
+    """`method` (sync or async) printing, in the worker, `[spa worker seconds] <label> <wall s> thread_cpu=<s>
+    gc_full=<s>`: its wall seconds, the CPU seconds of the thread that ran it (near the wall time when the pass is
+    bound by the CPU launching its kernels, far below it when it waits on the GPU) and the seconds of the process's
+    full garbage collections meanwhile. verl's dispatch attributes are kept (functools.wraps). With `profile` (sync
+    methods), its PROFILED_CALL-th call also prints its operator table (`metrics.operator_table`)."""
     calls = 0
 
-    def report(start):
-        print(f"[spa worker seconds] {label} {time.perf_counter() - start:.4f}", flush=True)
+    @contextmanager
+    def reported():
+        start, thread_start = time.perf_counter(), time.thread_time()
+        try:
+            with FullCollections() as collections:
+                yield
+        finally:
+            print(f"[spa worker seconds] {label} {time.perf_counter() - start:.4f} "
+                  f"thread_cpu={time.thread_time() - thread_start:.4f} gc_full={collections.seconds:.4f}", flush=True)
 
     if inspect.iscoroutinefunction(method):
         @functools.wraps(method)
         async def timed_async(*args, **kwargs):
-            start = time.perf_counter()
-            try:
+            with reported():
                 return await method(*args, **kwargs)
-            finally:
-                report(start)
         return timed_async
 
     @functools.wraps(method)
@@ -107,12 +113,8 @@ def timed_call(method, label: str, profile: bool = False):
         nonlocal calls
         calls += 1
         profiling = profile and calls == PROFILED_CALL
-        start = time.perf_counter()
-        try:
-            with operator_table(f"[spa worker profile] {label}") if profiling else nullcontext():
-                return method(*args, **kwargs)
-        finally:
-            report(start)
+        with reported(), operator_table(f"[spa worker profile] {label}") if profiling else nullcontext():
+            return method(*args, **kwargs)
     return timed
 
 

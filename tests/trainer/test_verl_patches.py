@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
+import time
 
 import pytest
 import torch
@@ -117,8 +118,26 @@ def test_timed_worker_calls_print_their_seconds_and_keep_verls_dispatch(capsys):
     assert inspect.iscoroutinefunction(timed_sync) and not inspect.iscoroutinefunction(timed_step)
     assert getattr(timed_step, MAGIC_ATTR) == getattr(timed_sync, MAGIC_ATTR) == {"blocking": False}
     printed = capsys.readouterr().out.splitlines()
-    assert [line.rsplit(" ", 1)[0] for line in printed] == ["[spa worker seconds] W.step", "[spa worker seconds] W.sync"]
-    assert all(float(line.rsplit(" ", 1)[1]) >= 0 for line in printed)
+    fields = [line.split() for line in printed]
+    assert [f[:3] for f in fields] == [["[spa", "worker", "seconds]"]] * 2 and [f[3] for f in fields] == ["W.step", "W.sync"]
+    for wall, thread_cpu, gc_full in (f[4:] for f in fields):
+        assert float(wall) >= 0 and thread_cpu.startswith("thread_cpu=") and gc_full.startswith("gc_full=")
+        assert 0 <= float(gc_full.split("=")[1]) <= float(wall)
+
+
+def test_a_timed_call_counts_the_full_collections_and_the_cpu_of_its_thread(capsys):
+    import gc
+
+    def collects_and_spins():
+        gc.collect()
+        end = time.thread_time() + 0.05
+        while time.thread_time() < end:
+            pass
+
+    verl_patches.timed_call(collects_and_spins, "W.busy")()
+    wall, thread_cpu, gc_full = capsys.readouterr().out.split()[4:]
+    assert float(thread_cpu.split("=")[1]) >= 0.05 and float(gc_full.split("=")[1]) > 0
+    assert float(thread_cpu.split("=")[1]) <= float(wall) + 0.01
 
 
 def test_the_named_call_prints_its_operator_table_once_after_warm_up(capsys):
