@@ -41,6 +41,7 @@ sys.path.insert(0, str(REPO))
 
 from SPA_agent.config import compose  # noqa: E402
 from SPA_agent.trainer import verl_layout  # noqa: E402
+from SPA_agent.trainer.gc_heap import freeze_long_lived_objects  # noqa: E402
 from SPA_agent.trainer.metrics import operator_table  # noqa: E402
 
 #: the passes in the order a PPO step runs them
@@ -93,7 +94,7 @@ def verl_backend(cfg, tokenizer):
     from SPA_agent.trainer.verl_config import build_verl_config
 
     verl_cfg = build_verl_config(cfg)
-    for key, value in ray_runtime_env(verl_cfg, False)["env_vars"].items():  # what each Ray worker would see
+    for key, value in ray_runtime_env(verl_cfg, False, cfg.trainer.gc_freeze)["env_vars"].items():  # a Ray worker's
         os.environ.setdefault(key, str(value))
     verl_patches.apply()
     workers = {}
@@ -186,6 +187,8 @@ def main(argv: list[str] | None = None) -> None:
         backend = LocalBackend(cfg, tokenizer)
     else:
         backend = verl_backend(cfg, tokenizer)
+    if cfg.trainer.gc_freeze:  # as main_ppo does once the models are built
+        freeze_long_lived_objects()
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
 
     def sync():

@@ -31,6 +31,7 @@ from SPA_agent.runs.compile_cache import use_persistent_compile_cache
 from SPA_agent.runs.dir_lock import DirLock, check_unlocked, check_writable
 from SPA_agent.runs.progress import quiet_library_progress
 from SPA_agent.runs.trainer_dir import TrainerDir
+from SPA_agent.trainer.gc_heap import start_up_objects_frozen
 
 #: a PPO run's directory: besides every trainer's outputs it writes the latest-step file and its config; config keys
 #: beyond every trainer's that do not change its content (the starting models enter its identity by checksum)
@@ -129,7 +130,8 @@ def run(cfg: DictConfig) -> Path:
     try:
         trainer = build_trainer(cfg, lock)
         try:
-            trainer.fit()
+            with start_up_objects_frozen(cfg.trainer.gc_freeze):
+                trainer.fit()
         finally:
             trainer.logger.close()
     finally:

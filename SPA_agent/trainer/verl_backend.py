@@ -30,6 +30,7 @@ from verl.utils import tensordict_utils as tu
 
 from SPA_agent.generators.base import FINISH_LENGTH, FINISH_STOP, Generation, Prompt
 from SPA_agent.trainer import verl_layout as vl
+from SPA_agent.trainer.gc_heap import WORKER_GC_FREEZE_ENV
 from SPA_agent.trainer.metrics import PhaseTimer
 from SPA_agent.trainer.verl_config import INSTALL_HINT, build_verl_config, check_verl_config
 
@@ -63,18 +64,19 @@ WORKER_SETUP_HOOK = "SPA_agent.trainer.verl_patches.apply"
 ALL_GPUS_VISIBLE_ENV = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 
 
-def ray_runtime_env(verl_cfg: DictConfig, all_gpus_visible: bool) -> dict:
-    """verl's PPO runtime environment for the Ray job, plus our worker setup hook (verl_patches) and, with
-    `all_gpus_visible`, every GPU visible to every worker (each selects its own by Ray's id)."""
+def ray_runtime_env(verl_cfg: DictConfig, all_gpus_visible: bool, gc_freeze: bool) -> dict:
+    """verl's PPO runtime environment for the Ray job, plus our worker setup hook (verl_patches); with
+    `all_gpus_visible`, every GPU visible to every worker (each selects its own by Ray's id); with `gc_freeze`
+    (trainer.gc_freeze), workers that freeze their start-up objects once their models are built (`gc_heap`)."""
     from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
 
     env = get_ppo_ray_runtime_env(verl_cfg)
-    if all_gpus_visible:
-        env["env_vars"] = {**env.get("env_vars", {}), ALL_GPUS_VISIBLE_ENV: "1"}
+    env["env_vars"] = {**env.get("env_vars", {}), WORKER_GC_FREEZE_ENV: "1" if gc_freeze else "0",
+                       **({ALL_GPUS_VISIBLE_ENV: "1"} if all_gpus_visible else {})}
     return {**env, "worker_process_setup_hook": WORKER_SETUP_HOOK}
 
 
-def start_ray(backend_cfg: DictConfig, verl_cfg: DictConfig) -> None:
+def start_ray(backend_cfg: DictConfig, verl_cfg: DictConfig, gc_freeze: bool) -> None:
     """Join the Ray cluster at `verl_backend.ray_address` (None: the one `ray start` made on this machine, else a
     new local one)."""
     import os
@@ -85,7 +87,7 @@ def start_ray(backend_cfg: DictConfig, verl_cfg: DictConfig) -> None:
         if backend_cfg.all_gpus_visible:  # a local cluster started here inherits it from this process
             os.environ.setdefault(ALL_GPUS_VISIBLE_ENV, "1")
         ray.init(address=backend_cfg.ray_address,
-                 runtime_env=ray_runtime_env(verl_cfg, bool(backend_cfg.all_gpus_visible)))
+                 runtime_env=ray_runtime_env(verl_cfg, bool(backend_cfg.all_gpus_visible), gc_freeze))
 
 
 class VerlWorkers:
@@ -178,7 +180,7 @@ class VerlBackend:
         self.temperature = float(cfg.actor_rollout_ref.rollout.temperature)
         self.sampling = self._sampling_params()
         if workers is None:
-            start_ray(cfg.verl_backend, self.verl_cfg)
+            start_ray(cfg.verl_backend, self.verl_cfg, bool(cfg.trainer.gc_freeze))
             workers = VerlWorkers(self.verl_cfg, self.has_ref and not self.ref_in_actor)
         self.workers = workers
         self._rollout_awake = False

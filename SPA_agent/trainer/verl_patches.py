@@ -12,6 +12,9 @@
 3. Packed micro-batches (`use_remove_padding`) without flash-attn name `packing.PACKED_ATTENTION` as their
    attention (`verl_config.attention_settings`), registered here; and SDPA leaves out cuDNN, which plans anew for
    every sequence length (`packing.avoid_cudnn_attention`, as the local backend does).
+4. With trainer.gc_freeze (the driver sets `gc_heap.WORKER_GC_FREEZE_ENV` for the Ray job), each worker freezes its
+   start-up objects once a model is built (`freeze_after_model_builds`): full garbage collections of a worker took
+   0.7-0.9 s each and stalled every rank (`gc_heap`).
 
 Diagnostics on request: SPA_VERL_LOG_DEVICES=1 (each worker's ranks and GPUs) and SPA_VERL_TIME_CALLS=1 (the
 seconds of each call inside the workers, `time_worker_calls`).
@@ -26,6 +29,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
+from SPA_agent.trainer.gc_heap import WORKER_GC_FREEZE_ENV, freeze_long_lived_objects
 from SPA_agent.trainer.metrics import FullCollections, operator_table
 from SPA_agent.trainer.packing import avoid_cudnn_attention, register_packed_attention
 
@@ -70,10 +74,38 @@ def apply() -> None:
     avoid_cudnn_attention()
     if not verl_functional.FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE:  # flash-attn's kernel is vectorised already
         verl_functional.logprobs_from_logits = transformer_impl.logprobs_from_logits = logprobs_from_logits
+    if os.environ.get(WORKER_GC_FREEZE_ENV) == "1":
+        freeze_after_model_builds()
     if os.environ.get("SPA_VERL_LOG_DEVICES") == "1":
         log_device_placement()
     if os.environ.get("SPA_VERL_TIME_CALLS") == "1":
         time_worker_calls(os.environ.get("SPA_VERL_PROFILE_CALL", ""))
+
+
+#: the worker methods that build a model (class name → method): the actor's and reference's, the critic's
+MODEL_BUILDS = {"ActorRolloutRefWorker": "init_model", "TrainingWorker": "reset"}
+
+
+def frozen_after(method):
+    """`method`, then `gc_heap.freeze_long_lived_objects()` (one line of how many objects, how long a full collection
+    over them took); verl's dispatch attributes are kept."""
+    @functools.wraps(method)
+    def build_then_freeze(*args, **kwargs):
+        result = method(*args, **kwargs)
+        frozen, seconds = freeze_long_lived_objects()
+        print(f"[spa gc] after {method.__qualname__}: froze {frozen:,} objects (a full collection over them took "
+              f"{seconds:.2f} s)", flush=True)
+        return result
+    return build_then_freeze
+
+
+def freeze_after_model_builds() -> None:
+    """Every MODEL_BUILDS method freezes the worker's objects when it returns (trainer.gc_freeze)."""
+    from verl.workers import engine_workers
+
+    for class_name, name in MODEL_BUILDS.items():
+        cls = getattr(engine_workers, class_name)
+        setattr(cls, name, frozen_after(getattr(cls, name)))
 
 
 #: worker methods the driver calls each step, timed with SPA_VERL_TIME_CALLS=1 (class name → methods)
