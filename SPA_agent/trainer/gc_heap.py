@@ -2,7 +2,7 @@
 
 A full (generation 2) collection walks every object the process tracks. In the driver and in verl's Ray workers that
 is millions of objects — the imports of torch, transformers, verl and vLLM, the models' modules — so one full
-collection took 0.7-0.9 s in a verl worker on two H200s, and the driver spent about 0.6 s a step in them
+collection took 0.6-0.9 s in a verl worker on two H200s, and the driver spent about 0.6 s a step in them
 (benchmarks/RESULTS.md, issue 28). While a worker collects, the other ranks wait in their next collective.
 
 `freeze_long_lived_objects`, called once the models are built (`trainer.gc_freeze`), collects once and then moves

@@ -14,7 +14,7 @@
    every sequence length (`packing.avoid_cudnn_attention`, as the local backend does).
 4. With trainer.gc_freeze (the driver sets `gc_heap.WORKER_GC_FREEZE_ENV` for the Ray job), each worker freezes its
    start-up objects once a model is built (`freeze_after_model_builds`): full garbage collections of a worker took
-   0.7-0.9 s each and stalled every rank (`gc_heap`).
+   0.6-0.9 s each and stalled every rank (`gc_heap`).
 
 Diagnostics on request: SPA_VERL_LOG_DEVICES=1 (each worker's ranks and GPUs) and SPA_VERL_TIME_CALLS=1 (the
 seconds of each call inside the workers, `time_worker_calls`).
@@ -117,9 +117,9 @@ PROFILED_CALL = 3
 
 def timed_call(method, label: str, profile: bool = False):
     """`method` (sync or async) printing, in the worker, `[spa worker seconds] <label> <wall s> thread_cpu=<s>
-    gc_full=<s>`: its wall seconds, the CPU seconds of the thread that ran it (near the wall time when the pass is
-    bound by the CPU launching its kernels, far below it when it waits on the GPU) and the seconds of the process's
-    full garbage collections meanwhile. verl's dispatch attributes are kept (functools.wraps). With `profile` (sync
+    gc_full=<s>`: its wall seconds, the CPU seconds of the thread that ran it (near the wall time when launching
+    kernels bounds the pass, but a wait for the GPU that spins counts too; below it when the thread waits blocked, for
+    the GIL for one) and the seconds of the process's full garbage collections meanwhile. verl's dispatch attributes are kept (functools.wraps). With `profile` (sync
     methods), its PROFILED_CALL-th call also prints its operator table (`metrics.operator_table`)."""
     calls = 0
 
