@@ -54,9 +54,10 @@ def operator_table(title: str, rows: int = 25) -> Iterator[None]:
 
 class FullCollections:
     """Seconds this process spends in Python's full (generation 2) garbage collections while the context is open
-    (`timing_s/gc_full`). A full collection walks every tracked object the driver holds, its libraries' included
-    (about 0.2 s on a CPU for the imports of the verl backend alone), and lands in whichever phase allocates when
-    it comes due."""
+    (`timing_s/gc_full` on the driver; `gc_full=` of a verl worker's timed calls). A full collection walks every
+    tracked object the process holds, its libraries' included (about 0.2 s on a CPU for the imports of the verl
+    backend alone), and lands in whichever phase allocates when it comes due; `trainer.gc_freeze` exempts the
+    objects of start-up (`gc_heap`)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0

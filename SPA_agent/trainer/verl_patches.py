@@ -118,9 +118,10 @@ PROFILED_CALL = 3
 def timed_call(method, label: str, profile: bool = False):
     """`method` (sync or async) printing, in the worker, `[spa worker seconds] <label> <wall s> thread_cpu=<s>
     gc_full=<s>`: its wall seconds, the CPU seconds of the thread that ran it (near the wall time when launching
-    kernels bounds the pass, but a wait for the GPU that spins counts too; below it when the thread waits blocked, for
-    the GIL for one) and the seconds of the process's full garbage collections meanwhile. verl's dispatch attributes are kept (functools.wraps). With `profile` (sync
-    methods), its PROFILED_CALL-th call also prints its operator table (`metrics.operator_table`)."""
+    kernels bounds the pass, but a wait for the GPU that spins counts too; below it when the thread waits blocked,
+    for the GIL for one) and the seconds of the process's full garbage collections meanwhile. verl's dispatch
+    attributes are kept (functools.wraps). With `profile` (sync methods), its PROFILED_CALL-th call also prints its
+    operator table (`metrics.operator_table`)."""
     calls = 0
 
     @contextmanager
