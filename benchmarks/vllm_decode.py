@@ -7,12 +7,15 @@ What the verl backend's generation phase takes per turn beyond this is its reque
 server). Prints one JSON line per timed call: seconds, new tokens per second, milliseconds per decoding step.
 
     python benchmarks/vllm_decode.py --model DIR [--batches 128 256] [--repeats 3] [--async-scheduling]
-        [--engine KEY=VALUE ...] [--profile DIR]
+        [--model-runner auto|v1|v2] [--engine KEY=VALUE ...] [--profile DIR]
+
+`--model-runner` picks vLLM's model runner as `verl_backend.vllm_model_runner` does for the rollout engines (auto:
+vLLM's choice by architecture; V1 for the Qwen2 shapes).
 
 `--engine` overrides one of `vllm.LLM`'s engine arguments (repeatable; VALUE is read as JSON where it parses, else
 as a string), e.g. `--engine max_num_batched_tokens=32768` or `--engine 'compilation_config={"cudagraph_mode":
 "FULL_DECODE_ONLY"}'`, to try an engine setting against the rollout's. The JSON lines also carry the engine's
-sequence and token limits, `async_scheduling` (whether it was forced) and the overrides.
+sequence and token limits, `async_scheduling` (whether it was forced), the model runner and the overrides.
 
 `--profile DIR` runs vLLM's torch profiler in the engine's worker over PROFILED_STEPS decoding steps of the first
 batch size's last call (after PROFILE_DELAY steps, past the prefill) and writes its operator table, costliest GPU time
@@ -24,12 +27,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import time
 from pathlib import Path
 from typing import Any
 
 from SPA_agent.config import compose
+from SPA_agent.trainer.verl_config import VLLM_MODEL_RUNNERS, model_runner_env
 
 #: engine steps skipped after the profiler is asked to start (the prefill of 128 prompts of 600 ids in chunks of
 #: 8,192 tokens takes about ten), then the decoding steps profiled
@@ -57,11 +62,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--async-scheduling", action="store_true",
                         help="force vLLM's async scheduling on (CPU overlaps GPU); without it vLLM decides")
+    parser.add_argument("--model-runner", choices=VLLM_MODEL_RUNNERS, default="auto",
+                        help="vLLM's model runner, as verl_backend.vllm_model_runner (default: vLLM's choice)")
     parser.add_argument("--engine", type=engine_override, action="append", default=[], metavar="KEY=VALUE",
                         help="an engine argument of vllm.LLM over the rollout's (repeatable)")
     parser.add_argument("--profile", type=Path, metavar="DIR",
                         help="profile decoding steps of the first batch size's last call; operator table to DIR")
     args = parser.parse_args()
+    os.environ.update(model_runner_env(args.model_runner))  # read by vLLM, and by its engine process it starts
 
     from transformers import AutoConfig
     from vllm import LLM, SamplingParams
@@ -97,7 +105,8 @@ def main() -> None:
             record = {"batch": batch, "repeat": repeat, "seconds": round(seconds, 3),
                       "new_tokens_per_s": round(new / seconds),
                       "ms_per_step": round(1000 * seconds / args.new_tokens, 2),
-                      "async_scheduling": args.async_scheduling, "max_num_seqs": engine["max_num_seqs"],
+                      "async_scheduling": args.async_scheduling, "model_runner": args.model_runner,
+                      "max_num_seqs": engine["max_num_seqs"],
                       "max_num_batched_tokens": engine["max_num_batched_tokens"], "engine_overrides": dict(args.engine),
                       "profiled_steps": PROFILED_STEPS if profiled else 0}
             print(json.dumps(record), flush=True)

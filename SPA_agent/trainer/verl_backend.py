@@ -32,7 +32,7 @@ from SPA_agent.generators.base import FINISH_LENGTH, FINISH_STOP, Generation, Pr
 from SPA_agent.trainer import verl_layout as vl
 from SPA_agent.trainer.gc_heap import WORKER_GC_FREEZE_ENV
 from SPA_agent.trainer.metrics import PhaseTimer
-from SPA_agent.trainer.verl_config import INSTALL_HINT, build_verl_config, check_verl_config
+from SPA_agent.trainer.verl_config import INSTALL_HINT, build_verl_config, check_verl_config, model_runner_env
 
 #: metric names of verl's workers → ours (as the local backend logs them)
 METRIC_NAMES = {"actor/entropy_loss": "actor/entropy", "actor/mfu": "perf/mfu/actor", "critic/mfu": "perf/mfu/critic"}
@@ -64,15 +64,16 @@ WORKER_SETUP_HOOK = "SPA_agent.trainer.verl_patches.apply"
 ALL_GPUS_VISIBLE_ENV = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 
 
-def ray_runtime_env(verl_cfg: DictConfig, all_gpus_visible: bool, gc_freeze: bool) -> dict:
+def ray_runtime_env(verl_cfg: DictConfig, all_gpus_visible: bool, gc_freeze: bool, *, model_runner: str) -> dict:
     """verl's PPO runtime environment for the Ray job, plus our worker setup hook (verl_patches); with
     `all_gpus_visible`, every GPU visible to every worker (each selects its own by Ray's id); with `gc_freeze`
-    (trainer.gc_freeze), workers that freeze their start-up objects once their models are built (`gc_heap`)."""
+    (trainer.gc_freeze), workers that freeze their start-up objects once their models are built (`gc_heap`);
+    `model_runner` (verl_backend.vllm_model_runner) picks the rollout engines' model runner (`model_runner_env`)."""
     from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
 
     env = get_ppo_ray_runtime_env(verl_cfg)
     env["env_vars"] = {**env.get("env_vars", {}), WORKER_GC_FREEZE_ENV: "1" if gc_freeze else "0",
-                       **({ALL_GPUS_VISIBLE_ENV: "1"} if all_gpus_visible else {})}
+                       **({ALL_GPUS_VISIBLE_ENV: "1"} if all_gpus_visible else {}), **model_runner_env(model_runner)}
     return {**env, "worker_process_setup_hook": WORKER_SETUP_HOOK}
 
 
@@ -87,7 +88,8 @@ def start_ray(backend_cfg: DictConfig, verl_cfg: DictConfig, gc_freeze: bool) ->
         if backend_cfg.all_gpus_visible:  # a local cluster started here inherits it from this process
             os.environ.setdefault(ALL_GPUS_VISIBLE_ENV, "1")
         ray.init(address=backend_cfg.ray_address,
-                 runtime_env=ray_runtime_env(verl_cfg, bool(backend_cfg.all_gpus_visible), gc_freeze))
+                 runtime_env=ray_runtime_env(verl_cfg, bool(backend_cfg.all_gpus_visible), gc_freeze,
+                                             model_runner=backend_cfg.vllm_model_runner))
 
 
 class VerlWorkers:

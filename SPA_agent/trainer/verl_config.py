@@ -197,12 +197,28 @@ def build_verl_config(cfg: DictConfig) -> DictConfig:
     return verl_cfg
 
 
+#: vLLM's switch between its two model runners; unset, vLLM picks by architecture (verl_backend.vllm_model_runner)
+VLLM_MODEL_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+VLLM_MODEL_RUNNERS = ("auto", "v1", "v2")
+
+
+def model_runner_env(model_runner: str) -> dict[str, str]:
+    """verl_backend.vllm_model_runner → the engines' environment. `auto` leaves vLLM's choice: its V2 runner
+    (input preparation on the GPU, less CPU work per decoding step) for the architectures it lists (Llama, Qwen3,
+    ...), V1 for the others (Qwen2 among them); `v1` / `v2` force one."""
+    if model_runner not in VLLM_MODEL_RUNNERS:
+        raise ValueError(f"verl_backend.vllm_model_runner must be one of {list(VLLM_MODEL_RUNNERS)}, got "
+                         f"{model_runner!r}")
+    return {} if model_runner == "auto" else {VLLM_MODEL_RUNNER_ENV: "1" if model_runner == "v2" else "0"}
+
+
 def check_verl_config(cfg: DictConfig, verl_cfg: DictConfig) -> None:
     """Our checks with messages naming our keys, then verl's own `validate_config`; ValueError on failure."""
     backend = cfg.verl_backend
     if backend.rollout_name not in ROLLOUT_ENGINES:
         raise ValueError(f"verl_backend.rollout_name must be one of {list(ROLLOUT_ENGINES)}, got "
                          f"{backend.rollout_name!r}")
+    model_runner_env(backend.vllm_model_runner)
     world = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
     tp = verl_cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
     if world % tp:

@@ -162,6 +162,7 @@ def test_auto_tensor_parallel_is_the_default_and_lands_in_verls_rollout_config()
     ("actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=False", "log_prob_use_dynamic_bsz .* must be equal"),
     ("trainer.n_gpus_per_node=8", "multiple of the 8 GPUs"),
     ("verl_backend.rollout_name=hf", "rollout_name"),
+    ("verl_backend.vllm_model_runner=v3", "vllm_model_runner must be one of"),
 ])
 def test_bad_settings_name_the_key(override, message):
     from SPA_agent.config import compose
@@ -181,6 +182,18 @@ def test_attention_follows_flash_attn_and_packing(has_flash_attn, remove_padding
     for model in ("actor_rollout_ref.model", "critic.model"):
         assert settings[f"{model}.override_config.attn_implementation"] == attention
         assert settings[f"{model}.use_remove_padding"] is packed
+
+
+@pytest.mark.parametrize("model_runner, env", [("auto", None), ("v1", "0"), ("v2", "1")])
+def test_vllm_model_runner_reaches_every_ray_worker(model_runner, env):
+    # the engines are subprocesses of verl's server actors and inherit the Ray job's environment
+    from SPA_agent.config import compose
+    from SPA_agent.trainer import verl_backend
+
+    cfg = compose("_2_sokoban", ["model=tiny", *OVERRIDES, f"verl_backend.vllm_model_runner={model_runner}"])
+    runtime = verl_backend.ray_runtime_env(vc.build_verl_config(cfg), True, True,
+                                           model_runner=cfg.verl_backend.vllm_model_runner)
+    assert runtime["env_vars"].get("VLLM_USE_V2_MODEL_RUNNER") == env
 
 
 def test_remove_padding_setting_is_checked():

@@ -58,7 +58,8 @@ def test_workers_pack_through_the_per_sequence_attention_without_cudnn(tiny_dir,
 @pytest.mark.parametrize("all_gpus_visible", [True, False])
 def test_every_ray_worker_runs_the_patch_and_sees_the_gpus_as_configured(all_gpus_visible):
     cfg = compose("_2_sokoban", ["model=tiny", "trainer.backend=verl", f"verl_backend.all_gpus_visible={all_gpus_visible}"])
-    env = verl_backend.ray_runtime_env(verl_config.build_verl_config(cfg), cfg.verl_backend.all_gpus_visible, True)
+    env = verl_backend.ray_runtime_env(verl_config.build_verl_config(cfg), cfg.verl_backend.all_gpus_visible, True,
+                                       model_runner="auto")
     module, function = env["worker_process_setup_hook"].rsplit(".", 1)
     assert getattr(importlib.import_module(module), function) is verl_patches.apply
     assert "TOKENIZERS_PARALLELISM" in env["env_vars"]  # verl's own runtime environment is kept

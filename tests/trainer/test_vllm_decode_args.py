@@ -33,3 +33,10 @@ def test_a_malformed_override_is_a_one_line_usage_error(bad):
                             capture_output=True, text=True)
     assert result.returncode == 2
     assert "expected KEY=VALUE" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_an_unknown_model_runner_is_a_one_line_usage_error():
+    result = subprocess.run([sys.executable, str(SCRIPT), "--model", "unused", "--model-runner", "v3"],
+                            capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "--model-runner: invalid choice" in result.stderr and "Traceback" not in result.stderr
