@@ -62,7 +62,7 @@ COPIED: tuple[tuple[str, str], ...] = (
     *((f"trainer.{k}",) * 2 for k in (
         "n_gpus_per_node", "nnodes", "project_name", "experiment_name", "total_training_steps", "critic_warmup",
         "default_local_dir", "max_actor_ckpt_to_keep", "max_critic_ckpt_to_keep")),
-    *((f"verl_backend.{k}", f"{_ROLLOUT}.{k}") for k in ("enforce_eager", "free_cache_engine", "load_format")),
+    *((f"verl_backend.{k}", f"{_ROLLOUT}.{k}") for k in ("enforce_eager", "load_format")),
     ("verl_backend.rollout_name", f"{_ROLLOUT}.name"),
 )
 
@@ -127,6 +127,33 @@ def rollout_tensor_parallel(setting: int | str, *, weight_bytes: int, gpu_bytes:
     return next((tp for tp in fits if weight_bytes / tp <= memory_share * gpu_bytes / 2), fits[-1])
 
 
+#: bytes per parameter a trained model keeps on its GPUs between passes, sharded by FSDP: float32 weights,
+#: gradients and Adam's two moments
+TRAINED_BYTES_PER_PARAMETER = 16
+
+
+def free_cache_engine(setting: bool | str, *, parameters: int, gpu_bytes: int | None, memory_share: float,
+                      gpus: int, has_ref: bool) -> bool:
+    """Whether the rollout engines hand their memory back while the models train (verl's `free_cache_engine`);
+    a boolean is kept.
+
+    `auto`: keep them resident (False) when what the training keeps on each GPU between passes (actor and critic
+    with their optimizer states, and the bfloat16 reference, all sharded over `gpus`) takes at most half of the
+    memory the engine leaves (1 − `memory_share` of a GPU), the other half left for activations. A resident engine
+    skips the sleep before the first pass and the wake-up before generating, and the first pass does not allocate
+    anew (0.5B on 2× H200: 1.2 s a step, benchmarks/RESULTS.md). Without a GPU on the driver (`gpu_bytes` None)
+    it is True.
+    """
+    if setting not in ("auto", True, False):
+        raise ValueError(f"verl_backend.free_cache_engine must be auto, true or false, got {setting!r}")
+    if setting != "auto":
+        return setting
+    if gpu_bytes is None:
+        return True
+    kept = parameters * (2 * TRAINED_BYTES_PER_PARAMETER + (2 if has_ref else 0)) / gpus
+    return kept > (1 - memory_share) * gpu_bytes / 2
+
+
 def model_weight_bytes(path: str, dtype: str) -> tuple[int, int]:
     """(bytes of the model's weights in `dtype`, its attention heads), counted on the meta device: nothing is read
     but the config."""
@@ -139,15 +166,29 @@ def model_weight_bytes(path: str, dtype: str) -> tuple[int, int]:
     return weights, config.num_attention_heads
 
 
+def _gpu_bytes() -> int | None:
+    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+
+
 def _rollout_tp(cfg: DictConfig, model_path: str) -> int:
     rollout, trainer = cfg.actor_rollout_ref.rollout, cfg.trainer
     if rollout.tensor_model_parallel_size != "auto":
         return int(rollout.tensor_model_parallel_size)
     weights, heads = model_weight_bytes(model_path, rollout.dtype)
-    gpu = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
-    return rollout_tensor_parallel("auto", weight_bytes=weights, gpu_bytes=gpu,
+    return rollout_tensor_parallel("auto", weight_bytes=weights, gpu_bytes=_gpu_bytes(),
                                    memory_share=rollout.gpu_memory_utilization,
                                    gpus=trainer.n_gpus_per_node * trainer.nnodes, attention_heads=heads)
+
+
+def _free_cache_engine(cfg: DictConfig, model_path: str) -> bool:
+    setting = cfg.verl_backend.free_cache_engine
+    if setting != "auto":
+        return free_cache_engine(setting, parameters=0, gpu_bytes=None, memory_share=0, gpus=1, has_ref=False)
+    weights, _ = model_weight_bytes(model_path, "float32")
+    return free_cache_engine("auto", parameters=weights // 4, gpu_bytes=_gpu_bytes(),
+                             memory_share=cfg.actor_rollout_ref.rollout.gpu_memory_utilization,
+                             gpus=cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes,
+                             has_ref=bool(cfg.actor_rollout_ref.actor.use_ref))
 
 
 def _derived(cfg: DictConfig) -> dict[str, object]:
@@ -163,6 +204,7 @@ def _derived(cfg: DictConfig) -> dict[str, object]:
         "actor_rollout_ref.model.path": actor_path,
         f"{_CRITIC}.model.path": critic_path,
         f"{_ROLLOUT}.tensor_model_parallel_size": _rollout_tp(cfg, actor_path),
+        f"{_ROLLOUT}.free_cache_engine": _free_cache_engine(cfg, actor_path),
         f"{_CRITIC}.model.tokenizer_path": actor_path,
         f"{_CRITIC}.enable": True,
         f"{_ACTOR}.optim.total_training_steps": steps,

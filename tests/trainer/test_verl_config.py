@@ -138,6 +138,39 @@ def test_rollout_tensor_parallel_keeps_a_number_and_needs_a_gpu_for_auto():
     assert vc.rollout_tensor_parallel("auto", gpu_bytes=None, **sizes) == 1
 
 
+@pytest.mark.parametrize("billions, gpus, gpu_gib, has_ref, free", [
+    # a 0.5 share of 80 GiB leaves 40 GiB, half of it (21.5 GB) for the trained models' states
+    (0.5, 2, 80, True, False),   # 0.5B: (16 + 16 + 2) bytes × 0.5e9 / 2 GPUs = 8.5 GB
+    (1.5, 2, 80, True, True),    # 25.5 GB
+    (1.5, 4, 80, True, False),   # 12.75 GB per GPU on four
+    (1.5, 2, 141, True, False),  # 25.5 GB against 37.8 GB on H200s
+    (7.6, 8, 80, True, True),    # 7B: 32.3 GB per GPU on eight
+    (1.3, 2, 80, False, False),  # 20.8 GB without a reference
+    (1.3, 2, 80, True, True),    # 22.1 GB with its bfloat16 copy
+])
+def test_auto_free_cache_engine_keeps_the_engine_when_training_fits_beside_it(billions, gpus, gpu_gib, has_ref, free):
+    assert vc.free_cache_engine("auto", parameters=int(billions * 1e9), gpu_bytes=gpu_gib * GIB, memory_share=0.5,
+                                gpus=gpus, has_ref=has_ref) is free
+
+
+def test_free_cache_engine_keeps_a_boolean_releases_without_a_gpu_and_rejects_the_rest():
+    sizes = dict(parameters=int(0.5e9), memory_share=0.5, gpus=2, has_ref=True)
+    assert vc.free_cache_engine(True, gpu_bytes=80 * GIB, **sizes) is True
+    assert vc.free_cache_engine(False, gpu_bytes=None, **sizes) is False
+    assert vc.free_cache_engine("auto", gpu_bytes=None, **sizes) is True
+    with pytest.raises(ValueError, match="free_cache_engine must be auto, true or false"):
+        vc.free_cache_engine("sometimes", gpu_bytes=80 * GIB, **sizes)
+
+
+@pytest.mark.parametrize("setting, free", [("auto", True), (False, False), (True, True)])
+def test_free_cache_engine_lands_in_verls_rollout_config(setting, free):
+    from SPA_agent.config import compose
+
+    cfg = compose("_2_sokoban", ["model=tiny", *OVERRIDES, f"verl_backend.free_cache_engine={setting}"])
+    rollout = omega_conf_to_dataclass(vc.build_verl_config(cfg).actor_rollout_ref.rollout)
+    assert rollout.free_cache_engine is free  # auto: no GPU on this machine, so released
+
+
 def test_model_weight_bytes_counts_the_loaded_parameters(tiny_dir):
     from transformers import AutoModelForCausalLM
 
