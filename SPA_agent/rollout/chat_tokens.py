@@ -20,6 +20,9 @@ import re
 from dataclasses import dataclass
 
 SYSTEM, CONTEXT, SAMPLED = 0, 1, 2
+#: distinct texts whose ids a ChatTokenizer keeps (emptied when full): a rollout of the paper's batch has about
+#: 2,000 (256 conversations of up to 5 turns, one system turn for all)
+ENCODED_TEXTS_KEPT = 16384
 _SENTINEL = re.compile("\ue000(\\d+)\ue001")
 
 
@@ -40,6 +43,7 @@ class ChatTokenizer:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self._encoded: dict[str, tuple[int, ...]] = {}
         self.eos_texts = {tokenizer.convert_ids_to_tokens(i): i for i in self._eos_ids()}
 
     def _eos_ids(self) -> list[int]:
@@ -56,7 +60,16 @@ class ChatTokenizer:
         return sorted(self.eos_texts.values())
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+        """Ids of `text` without special tokens, remembered: every turn re-encodes its whole conversation, and
+        every conversation starts with the same system turn (the tokenizer gives a text the same ids each time)."""
+        if not text:
+            return []
+        ids = self._encoded.get(text)
+        if ids is None:
+            if len(self._encoded) >= ENCODED_TEXTS_KEPT:
+                self._encoded.clear()
+            ids = self._encoded[text] = tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return list(ids)
 
     def build(
         self,

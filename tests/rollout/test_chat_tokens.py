@@ -35,6 +35,35 @@ def test_chatml_conversation_ids_and_roles_are_exact(tiny_tokenizer):
                      + [CONTEXT] * len(user2) + [SAMPLED] * len(turns[1].ids) + [CONTEXT] * len(tail))
 
 
+def test_each_distinct_text_is_tokenized_once_and_ids_stay_exact(tiny_tokenizer, monkeypatch):
+    from SPA_agent.rollout import chat_tokens
+
+    calls = []
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(tiny_tokenizer, name)
+
+        def __call__(self, text, **kwargs):
+            calls.append(text)
+            return tiny_tokenizer(text, **kwargs)
+
+    chat = ChatTokenizer(Counting())
+    turns = _turns(tiny_tokenizer)
+    expected = ChatTokenizer(tiny_tokenizer).build(MESSAGES, turns)
+    first = chat.build(MESSAGES, turns)
+    tokenized = len(calls)
+    assert chat.build(MESSAGES, turns) == first == expected and len(calls) == tokenized  # all remembered
+    first[0].append(-1)  # a caller extending the ids it got does not change what is remembered
+    assert chat.build(MESSAGES, turns) == expected
+    # the first turn's generation prompt is the conversation's first pieces (system turn, first user turn)
+    chat.build(MESSAGES[:2], [], generation_prefix="<think>")
+    assert len(calls) == tokenized and len(set(calls)) == len(calls)
+    monkeypatch.setattr(chat_tokens, "ENCODED_TEXTS_KEPT", 2)  # four texts: emptied when full, then filled again
+    small = ChatTokenizer(tiny_tokenizer)
+    assert small.build(MESSAGES, turns) == expected and len(small._encoded) == 2
+
+
 def test_truncated_turn_gets_the_template_end_of_turn_as_context(tiny_tokenizer):
     tok = tiny_tokenizer
     turns = _turns(tok, truncated_second=True)
