@@ -3,6 +3,7 @@ log-probs, values, critic update and actor update of a synthetic kept batch, tim
 
     python benchmarks/train_passes.py --model DIR --backend local [--set KEY=VALUE ...]
     torchrun --nproc_per_node 2 benchmarks/train_passes.py --model DIR --backend verl [--set KEY=VALUE ...]
+    python benchmarks/train_passes.py --model DIR --backend verl --ray 2 [--ray-async] [--set KEY=VALUE ...]
 
 The batch is shaped like the one the paper's step trains (`_2_sokoban`: 64 kept trajectories of about 2,540 tokens,
 58% of them sampled; random ids, left padded as the agent proxy pads). The passes are the backends' own methods:
@@ -14,6 +15,12 @@ rollout engine: a setting's effect on the passes takes about a minute to measure
 start. `--set` overrides our config (Hydra syntax), verl's own keys through `verl_backend.verl_config`, e.g.
 `--set +verl_backend.verl_config.actor_rollout_ref.actor.strategy=fsdp2`.
 
+`--ray N` runs the N ranks as Ray actors, one GPU each, in the Ray job environment of the verl backend
+(`verl_backend.ray_runtime_env`) instead of torchrun's processes; `--ray-async` makes them async actors, whose
+methods Ray runs outside the main thread, as it runs those of verl's fused worker. Still no rollout engine: set
+against torchrun and a full run, it tells whether a pass is slower in a Ray worker as such or beside vLLM.
+`--rank-setup MODULE:FUNCTION` calls that function in each rank first (the CPU tests' one-rank gloo group).
+
 Prints one JSON line per repeat (seconds per pass, the slowest rank's; then rank 0's thread CPU seconds per pass) and the median of the repeats after the
 first (which includes warm-up); --out appends them to a JSON-lines file with the settings. --profile PASS prints
 that pass's 25 costliest operators by GPU time in the last repeat (rank 0; "Self CUDA time total" against the pass's
@@ -24,8 +31,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib
 import json
 import os
+import socket
 import statistics
 import sys
 import time
@@ -111,6 +120,58 @@ def verl_backend(cfg, tokenizer):
     return VerlBackend(cfg, tokenizer, workers=group)
 
 
+class PassesRank:
+    """One rank of the benchmark in a Ray actor: the environment torchrun would give it, then the rank's run."""
+
+    def run(self, rank_env: dict[str, str], args: argparse.Namespace) -> dict:
+        import ray
+
+        gpus = ray.get_gpu_ids()  # every GPU is visible (verl_backend.all_gpus_visible): use the one Ray gave
+        os.environ.update(rank_env, **({"LOCAL_RANK": str(gpus[0])} if gpus else {}))
+        return run_rank(args)
+
+
+class AsyncPassesRank(PassesRank):
+    """The same in an async actor (one async method suffices): Ray then runs `run` outside the main thread, as
+    it runs the methods of verl's fused worker, an async actor for its weight sync."""
+
+    async def ready(self) -> bool:
+        return True
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def in_ray(args: argparse.Namespace) -> dict:
+    """The ranks as Ray actors in the verl backend's Ray job environment, without its setup hook (each rank
+    applies `verl_patches` itself, after `--rank-setup`); returns rank 0's result."""
+    import ray
+
+    from SPA_agent.trainer.verl_backend import ray_runtime_env
+    from SPA_agent.trainer.verl_config import build_verl_config
+
+    cuda = torch.cuda.is_available()
+    cfg = compose_run(args, args.ray, cuda)
+    runtime = ray_runtime_env(build_verl_config(cfg), cuda, cfg.trainer.gc_freeze, model_runner="auto")
+    runtime.pop("worker_process_setup_hook")
+    # this process's import path (the benchmarks and any --rank-setup module) for the actors
+    runtime["env_vars"]["PYTHONPATH"] = os.pathsep.join(path for path in sys.path if path)
+    ray.init(runtime_env=runtime, log_to_driver=False)
+    actor = ray.remote(num_gpus=1 if cuda else 0)(AsyncPassesRank if args.ray_async else PassesRank)
+    port = free_port()
+    try:
+        ranks = [actor.remote() for _ in range(args.ray)]
+        return ray.get([
+            handle.run.remote({"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(args.ray),
+                               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}, args)
+            for rank, handle in enumerate(ranks)])[0]
+    finally:
+        ray.shutdown()
+
+
 def one_step(backend, batch: DataProto, sync, profile: str | None = None) -> dict[str, float]:
     """Seconds of each pass of one PPO step on `batch` (values and old log-probs from the backend itself), their
     total, then each pass's `<pass>_thread_cpu`: the CPU seconds of this process's main thread in it (near the pass's
@@ -138,7 +199,7 @@ def one_step(backend, batch: DataProto, sync, profile: str | None = None) -> dic
     return {**seconds, **thread_cpu}
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="Hugging Face model directory (benchmarks/random_model.py)")
     parser.add_argument("--backend", choices=("local", "verl"), required=True)
@@ -156,21 +217,61 @@ def main(argv: list[str] | None = None) -> None:
                              "rollout (then expandable segments), so the passes allocate as in a full run")
     parser.add_argument("--label", default="", help="name of this setting in the output")
     parser.add_argument("--out", type=Path, help="JSON-lines file to append the results to")
-    args = parser.parse_args(argv)
+    parser.add_argument("--ray", type=int, metavar="N", help="run N ranks as Ray actors (verl backend), not torchrun's")
+    parser.add_argument("--ray-async", action="store_true", help="with --ray: async actors, as verl's fused worker")
+    parser.add_argument("--rank-setup", metavar="MODULE:FUNCTION", help="called in each rank before anything else")
+    return parser
 
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    world = args.ray or int(os.environ.get("WORLD_SIZE", 1))
+    if args.backend == "local" and world > 1:
+        parser.error("the local backend runs one process: start it with python, not torchrun or --ray")
+    if args.ray is not None and (args.ray < 1 or "WORLD_SIZE" in os.environ):
+        parser.error("--ray takes a number of ranks ≥ 1 and starts them itself: run it with python, not torchrun")
+    if args.ray_async and args.ray is None:
+        parser.error("--ray-async needs --ray N")
+    if args.trajectories % world:
+        parser.error(f"--trajectories ({args.trajectories}) must be a multiple of the {world} ranks")
+    return args
+
+
+def compose_run(args: argparse.Namespace, world: int, cuda: bool):
+    """The run's config: the paper's Sokoban setting with this benchmark's model, ranks and overrides."""
+    return compose("_2_sokoban", [f"model={args.preset}", f"model_path={args.model}", f"trainer.backend={args.backend}",
+                                  f"trainer.n_gpus_per_node={world}", f"trainer.device={'cuda' if cuda else 'cpu'}",
+                                  f"ppo_mini_batch_size={args.trajectories}", *args.overrides])
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.ray:
+        args.model = str(Path(args.model).resolve())  # the actors run elsewhere
+        result = in_ray(args)
+        for line in result["lines"]:
+            print(line, flush=True)
+    else:
+        result = run_rank(args)
+    if args.out and result["summary"] is not None:
+        with args.out.open("a") as f:
+            f.write(json.dumps(result["summary"]) + "\n")
+
+
+def run_rank(args: argparse.Namespace) -> dict:
+    """This rank's part of the benchmark: {"lines": what rank 0 printed, "summary": rank 0's summary} (other
+    ranks: nothing)."""
     from transformers import AutoTokenizer
 
+    if args.rank_setup:
+        module, function = args.rank_setup.split(":")
+        getattr(importlib.import_module(module), function)()
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    if args.backend == "local" and world > 1:
-        parser.error("the local backend runs one process: start it with python, not torchrun")
-    if args.trajectories % world:
-        parser.error(f"--trajectories ({args.trajectories}) must be a multiple of the {world} ranks")
-    cfg = compose("_2_sokoban", [f"model={args.preset}", f"model_path={args.model}", f"trainer.backend={args.backend}",
-                                 f"trainer.n_gpus_per_node={world}", f"trainer.device={'cuda' if cuda else 'cpu'}",
-                                 f"ppo_mini_batch_size={args.trajectories}", *args.overrides])
+    cfg = compose_run(args, world, cuda)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     batch = synthetic_batch(args.trajectories, args.tokens, args.spread, args.response_share, len(tokenizer),
                             tokenizer.pad_token_id, seed=0)
@@ -207,7 +308,12 @@ def main(argv: list[str] | None = None) -> None:
         torch.cuda.empty_cache()
         set_expandable_segments(True)
 
-    steps = []
+    steps, lines, summary = [], [], None
+
+    def emit(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+
     for repeat in range(args.repeats):
         if args.release_cache and cuda:
             release_cache()
@@ -215,8 +321,7 @@ def main(argv: list[str] | None = None) -> None:
         seconds = one_step(backend, copy.deepcopy(batch), sync, profile)  # a step adds its outputs to the batch
         steps.append(seconds)
         if rank == 0:
-            print(json.dumps({"label": args.label, "repeat": repeat, **{k: round(v, 4) for k, v in seconds.items()}}),
-                  flush=True)
+            emit(json.dumps({"label": args.label, "repeat": repeat, **{k: round(v, 4) for k, v in seconds.items()}}))
     if rank == 0:
         steady = steps[1:] or steps
         median = {key: statistics.median(s[key] for s in steady) for key in steady[0]}
@@ -224,14 +329,13 @@ def main(argv: list[str] | None = None) -> None:
         summary = {"label": args.label, "backend": args.backend, "gpus": world, "median_s": median,
                    "steps": steps, "peak_gib": round(peak, 2), "overrides": args.overrides,
                    "release_cache": args.release_cache,
+                   "ranks": "ray async actors" if args.ray_async else "ray actors" if args.ray else "processes",
                    "device": torch.cuda.get_device_name() if cuda else "cpu",
                    "tokens": tokens}
-        print("median of repeats 2+: " + "  ".join(f"{k} {v:.3f}" for k, v in median.items()), flush=True)
-        if args.out:
-            with args.out.open("a") as f:
-                f.write(json.dumps(summary) + "\n")
+        emit("median of repeats 2+: " + "  ".join(f"{k} {v:.3f}" for k, v in median.items()))
     if distributed:
         torch.distributed.destroy_process_group()
+    return {"lines": lines, "summary": summary}
 
 
 if __name__ == "__main__":

@@ -29,7 +29,8 @@ CPU_SETTINGS = [f"+verl_backend.verl_config.{path}={value}"
 
 
 def _run(tiny_dir, out: Path, *args) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run([sys.executable, *args, "--model", str(tiny_dir), *SMALL, "--out", str(out)], cwd=ROOT,
                             env=env, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
@@ -53,6 +54,31 @@ def test_both_backends_time_every_pass(tiny_dir, tmp_path):
     assert set(CPU_SETTINGS) <= set(summaries[1]["overrides"])
     for s in summaries:
         assert s["median_s"]["total"] == pytest.approx(s["steps"][1]["total"])
+
+
+@pytest.mark.slow
+def test_the_verl_ranks_run_as_async_ray_actors(tiny_dir, tmp_path):
+    # the same passes in an async Ray actor, as verl's fused worker runs them; the rank builds its CPU group there
+    out = tmp_path / "passes.jsonl"
+    lines = _run(tiny_dir, out, "benchmarks/train_passes.py", "--backend", "verl", "--label", "ray", "--ray", "1",
+                 "--ray-async", "--rank-setup", "verl_cpu:start_cpu_rank", "--set", "verl_backend.rollout_name=sglang",
+                 *sum((["--set", e] for e in CPU_SETTINGS), []))
+    assert [line["repeat"] for line in lines] == [0, 1] and all(line["label"] == "ray" for line in lines)
+    assert all(line[name] > 0 for line in lines for name in PASSES)
+    (summary,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert summary["ranks"] == "ray async actors" and summary["gpus"] == 1 and summary["backend"] == "verl"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--ray-async"], "--ray-async needs --ray N"),
+    (["--ray", "0"], "--ray takes a number of ranks"),
+    (["--backend", "local", "--ray", "2"], "the local backend runs one process"),
+])
+def test_bad_ray_options_are_one_line_usage_errors(args, message):
+    base = ["--model", "unused", "--backend", "verl"]
+    result = subprocess.run([sys.executable, "benchmarks/train_passes.py", *base, *args], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
 
 
 if __name__ == "__main__":  # the verl run: this process as a one-rank CPU "GPU" group, then the benchmark
