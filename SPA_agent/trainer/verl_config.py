@@ -181,11 +181,8 @@ def _rollout_tp(cfg: DictConfig, model_path: str) -> int:
 
 
 def _free_cache_engine(cfg: DictConfig, model_path: str) -> bool:
-    setting = cfg.verl_backend.free_cache_engine
-    if setting != "auto":
-        return free_cache_engine(setting, parameters=0, gpu_bytes=None, memory_share=0, gpus=1, has_ref=False)
-    weights, _ = model_weight_bytes(model_path, "float32")
-    return free_cache_engine("auto", parameters=weights // 4, gpu_bytes=_gpu_bytes(),
+    parameters = model_weight_bytes(model_path, "float32")[0] // 4  # 4 bytes a float32 parameter
+    return free_cache_engine(cfg.verl_backend.free_cache_engine, parameters=parameters, gpu_bytes=_gpu_bytes(),
                              memory_share=cfg.actor_rollout_ref.rollout.gpu_memory_utilization,
                              gpus=cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes,
                              has_ref=bool(cfg.actor_rollout_ref.actor.use_ref))
