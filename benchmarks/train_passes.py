@@ -127,7 +127,7 @@ class PassesRank:
         import ray
 
         gpus = ray.get_gpu_ids()  # every GPU is visible (verl_backend.all_gpus_visible): use the one Ray gave
-        os.environ.update(rank_env, **({"LOCAL_RANK": str(gpus[0])} if gpus else {}))
+        os.environ.update(rank_env, LOCAL_RANK=str(gpus[0]) if gpus else "0")
         return run_rank(args)
 
 
@@ -165,7 +165,7 @@ def in_ray(args: argparse.Namespace) -> dict:
     try:
         ranks = [actor.remote() for _ in range(args.ray)]
         return ray.get([
-            handle.run.remote({"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(args.ray),
+            handle.run.remote({"RANK": str(rank), "WORLD_SIZE": str(args.ray),
                                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}, args)
             for rank, handle in enumerate(ranks)])[0]
     finally:
