@@ -150,11 +150,14 @@ def in_ray(args: argparse.Namespace) -> dict:
     applies `verl_patches` itself, after `--rank-setup`); returns rank 0's result."""
     import ray
 
-    from SPA_agent.trainer.verl_backend import ray_runtime_env
+    from SPA_agent.trainer.verl_backend import local_cluster_env, ray_runtime_env
     from SPA_agent.trainer.verl_config import build_verl_config
 
     cuda = torch.cuda.is_available()
     cfg = compose_run(args, args.ray, cuda)
+    cfg.verl_backend.all_gpus_visible = cuda  # each rank picks the GPU Ray gave it (PassesRank)
+    for key, value in local_cluster_env(cfg.verl_backend).items():  # as start_ray: the cluster inherits them
+        os.environ.setdefault(key, value)
     runtime = ray_runtime_env(build_verl_config(cfg), cuda, cfg.trainer.gc_freeze, model_runner="auto")
     runtime.pop("worker_process_setup_hook")
     # this process's import path (the benchmarks and any --rank-setup module) for the actors
@@ -330,7 +333,7 @@ def run_rank(args: argparse.Namespace) -> dict:
                    "steps": steps, "peak_gib": round(peak, 2), "overrides": args.overrides,
                    "release_cache": args.release_cache,
                    "ranks": "ray async actors" if args.ray_async else "ray actors" if args.ray else "processes",
-                   "device": torch.cuda.get_device_name() if cuda else "cpu",
+                   "device": torch.cuda.get_device_name() if cuda else "cpu", "niceness": os.nice(0),
                    "tokens": tokens}
         emit("median of repeats 2+: " + "  ".join(f"{k} {v:.3f}" for k, v in median.items()))
     if distributed:

@@ -77,16 +77,30 @@ def ray_runtime_env(verl_cfg: DictConfig, all_gpus_visible: bool, gc_freeze: boo
     return {**env, "worker_process_setup_hook": WORKER_SETUP_HOOK}
 
 
+#: Ray's setting of its workers' scheduling priority (`nice`), read by a cluster when it starts
+RAY_WORKER_NICENESS_ENV = "RAY_worker_niceness"
+
+
+def local_cluster_env(backend_cfg: DictConfig) -> dict[str, str]:
+    """Environment variables that a Ray cluster started by this process (`ray.init` without a running cluster)
+    inherits; a running cluster keeps those it started with. `verl_backend.worker_niceness`: Ray starts its
+    workers at nice 15 by default, below every ordinary process of the machine."""
+    env = {ALL_GPUS_VISIBLE_ENV: "1"} if backend_cfg.all_gpus_visible else {}
+    if backend_cfg.worker_niceness is not None:
+        env[RAY_WORKER_NICENESS_ENV] = str(int(backend_cfg.worker_niceness))
+    return env
+
+
 def start_ray(backend_cfg: DictConfig, verl_cfg: DictConfig, gc_freeze: bool) -> None:
     """Join the Ray cluster at `verl_backend.ray_address` (None: the one `ray start` made on this machine, else a
-    new local one)."""
+    new local one, with `local_cluster_env` unless this process's environment sets those variables itself)."""
     import os
 
     import ray
 
     if not ray.is_initialized():
-        if backend_cfg.all_gpus_visible:  # a local cluster started here inherits it from this process
-            os.environ.setdefault(ALL_GPUS_VISIBLE_ENV, "1")
+        for key, value in local_cluster_env(backend_cfg).items():
+            os.environ.setdefault(key, value)
         ray.init(address=backend_cfg.ray_address,
                  runtime_env=ray_runtime_env(verl_cfg, bool(backend_cfg.all_gpus_visible), gc_freeze,
                                              model_runner=backend_cfg.vllm_model_runner))

@@ -258,6 +258,9 @@ def check_verl_config(cfg: DictConfig, verl_cfg: DictConfig) -> None:
         raise ValueError(f"verl_backend.rollout_name must be one of {list(ROLLOUT_ENGINES)}, got "
                          f"{backend.rollout_name!r}")
     model_runner_env(backend.vllm_model_runner)
+    niceness = backend.worker_niceness
+    if niceness is not None and (isinstance(niceness, bool) or not isinstance(niceness, int) or not 0 <= niceness <= 19):
+        raise ValueError(f"verl_backend.worker_niceness must be null or a nice value from 0 to 19, got {niceness!r}")
     world = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
     tp = verl_cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
     if world % tp:

@@ -29,7 +29,7 @@ CPU_SETTINGS = [f"+verl_backend.verl_config.{path}={value}"
 
 
 def _run(tiny_dir, out: Path, *args) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+    env = {**{k: v for k, v in os.environ.items() if k != "RAY_worker_niceness"}, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run([sys.executable, *args, "--model", str(tiny_dir), *SMALL, "--out", str(out)], cwd=ROOT,
                             env=env, capture_output=True, text=True, timeout=300, check=False)
@@ -58,15 +58,17 @@ def test_both_backends_time_every_pass(tiny_dir, tmp_path):
 
 @pytest.mark.slow
 def test_the_verl_ranks_run_as_async_ray_actors(tiny_dir, tmp_path):
-    # the same passes in an async Ray actor, as verl's fused worker runs them; the rank builds its CPU group there
+    # the same passes in an async Ray actor, as verl's fused worker runs them; the rank builds its CPU group there,
+    # in a cluster started with the run's worker niceness (neither ours, 0, nor Ray's, 15)
     out = tmp_path / "passes.jsonl"
     lines = _run(tiny_dir, out, "benchmarks/train_passes.py", "--backend", "verl", "--label", "ray", "--ray", "1",
                  "--ray-async", "--rank-setup", "verl_cpu:start_cpu_rank", "--set", "verl_backend.rollout_name=sglang",
-                 *sum((["--set", e] for e in CPU_SETTINGS), []))
+                 "--set", "verl_backend.worker_niceness=7", *sum((["--set", e] for e in CPU_SETTINGS), []))
     assert [line["repeat"] for line in lines] == [0, 1] and all(line["label"] == "ray" for line in lines)
     assert all(line[name] > 0 for line in lines for name in PASSES)
     (summary,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert summary["ranks"] == "ray async actors" and summary["gpus"] == 1 and summary["backend"] == "verl"
+    assert summary["niceness"] == 7
 
 
 @pytest.mark.parametrize("args, message", [

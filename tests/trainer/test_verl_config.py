@@ -196,6 +196,9 @@ def test_auto_tensor_parallel_is_the_default_and_lands_in_verls_rollout_config()
     ("trainer.n_gpus_per_node=8", "multiple of the 8 GPUs"),
     ("verl_backend.rollout_name=hf", "rollout_name"),
     ("verl_backend.vllm_model_runner=v3", "vllm_model_runner must be one of"),
+    ("verl_backend.worker_niceness=20", "worker_niceness must be null or a nice value from 0 to 19"),
+    ("verl_backend.worker_niceness=-5", "worker_niceness must be null or a nice value from 0 to 19"),
+    ("verl_backend.worker_niceness=true", "worker_niceness must be null or a nice value from 0 to 19"),
 ])
 def test_bad_settings_name_the_key(override, message):
     from SPA_agent.config import compose
@@ -227,6 +230,21 @@ def test_vllm_model_runner_reaches_every_ray_worker(model_runner, env):
     runtime = verl_backend.ray_runtime_env(vc.build_verl_config(cfg), True, True,
                                            model_runner=cfg.verl_backend.vllm_model_runner)
     assert runtime["env_vars"].get("VLLM_USE_V2_MODEL_RUNNER") == env
+
+
+@pytest.mark.parametrize("override, env", [
+    ([], {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1", "RAY_worker_niceness": "0"}),
+    (["verl_backend.worker_niceness=null"], {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}),
+    (["verl_backend.worker_niceness=15", "verl_backend.all_gpus_visible=false"], {"RAY_worker_niceness": "15"}),
+])
+def test_a_cluster_started_here_gets_the_backend_settings(override, env):
+    # Ray reads RAY_worker_niceness when its cluster starts; null leaves Ray's own (15)
+    from SPA_agent.config import compose
+    from SPA_agent.trainer import verl_backend
+
+    cfg = compose("_2_sokoban", ["model=tiny", *OVERRIDES, *override])
+    assert verl_backend.local_cluster_env(cfg.verl_backend) == env
+    vc.check_verl_config(cfg, vc.build_verl_config(cfg))
 
 
 def test_remove_padding_setting_is_checked():
