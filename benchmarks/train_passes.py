@@ -17,7 +17,8 @@ start. `--set` overrides our config (Hydra syntax), verl's own keys through `ver
 
 `--ray N` runs the N ranks as Ray actors, one GPU each, in the Ray job environment of the verl backend
 (`verl_backend.ray_runtime_env`) instead of torchrun's processes; `--ray-async` makes them async actors, whose
-methods Ray runs outside the main thread, as it runs those of verl's fused worker. Still no rollout engine: set
+methods Ray runs outside the main thread, as it runs those of verl's fused worker; `--setup-hook` keeps the
+backend's worker setup hook, which a full run's workers run when they start. Still no rollout engine: set
 against torchrun and a full run, it tells whether a pass is slower in a Ray worker as such or beside vLLM.
 `--rank-setup MODULE:FUNCTION` calls that function in each rank first (the CPU tests' one-rank gloo group).
 
@@ -103,8 +104,8 @@ def verl_backend(cfg, tokenizer):
     from SPA_agent.trainer.verl_config import build_verl_config
 
     verl_cfg = build_verl_config(cfg)
-    for key, value in ray_runtime_env(verl_cfg, False, cfg.trainer.gc_freeze,
-                                       model_runner="auto")["env_vars"].items():  # a Ray worker's
+    for key, value in ray_runtime_env(verl_cfg, False, cfg.trainer.gc_freeze, model_runner="auto",
+                                      cpu_threads=cfg.verl_backend.worker_cpu_threads)["env_vars"].items():  # a Ray worker's
         os.environ.setdefault(key, str(value))
     verl_patches.apply()
     workers = {}
@@ -146,8 +147,8 @@ def free_port() -> int:
 
 
 def in_ray(args: argparse.Namespace) -> dict:
-    """The ranks as Ray actors in the verl backend's Ray job environment, without its setup hook (each rank
-    applies `verl_patches` itself, after `--rank-setup`); returns rank 0's result."""
+    """The ranks as Ray actors in the verl backend's Ray job environment; without `--setup-hook`, without its
+    worker setup hook (each rank applies `verl_patches` itself, after `--rank-setup`); returns rank 0's result."""
     import ray
 
     from SPA_agent.trainer.verl_backend import local_cluster_env, ray_runtime_env
@@ -158,8 +159,10 @@ def in_ray(args: argparse.Namespace) -> dict:
     cfg.verl_backend.all_gpus_visible = cuda  # each rank picks the GPU Ray gave it (PassesRank)
     for key, value in local_cluster_env(cfg.verl_backend).items():  # as start_ray: the cluster inherits them
         os.environ.setdefault(key, value)
-    runtime = ray_runtime_env(build_verl_config(cfg), cuda, cfg.trainer.gc_freeze, model_runner="auto")
-    runtime.pop("worker_process_setup_hook")
+    runtime = ray_runtime_env(build_verl_config(cfg), cuda, cfg.trainer.gc_freeze, model_runner="auto",
+                              cpu_threads=cfg.verl_backend.worker_cpu_threads)
+    if not args.setup_hook:
+        runtime.pop("worker_process_setup_hook")
     # this process's import path (the benchmarks and any --rank-setup module) for the actors
     runtime["env_vars"]["PYTHONPATH"] = os.pathsep.join(path for path in sys.path if path)
     ray.init(runtime_env=runtime, log_to_driver=False)
@@ -222,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, help="JSON-lines file to append the results to")
     parser.add_argument("--ray", type=int, metavar="N", help="run N ranks as Ray actors (verl backend), not torchrun's")
     parser.add_argument("--ray-async", action="store_true", help="with --ray: async actors, as verl's fused worker")
+    parser.add_argument("--setup-hook", action="store_true",
+                        help="with --ray: keep the backend's worker setup hook, which runs (and imports torch) when "
+                             "each worker process starts, as in a full run")
     parser.add_argument("--rank-setup", metavar="MODULE:FUNCTION", help="called in each rank before anything else")
     return parser
 
@@ -234,8 +240,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("the local backend runs one process: start it with python, not torchrun or --ray")
     if args.ray is not None and (args.ray < 1 or "WORLD_SIZE" in os.environ):
         parser.error("--ray takes a number of ranks ≥ 1 and starts them itself: run it with python, not torchrun")
-    if args.ray_async and args.ray is None:
-        parser.error("--ray-async needs --ray N")
+    for flag, given in (("--ray-async", args.ray_async), ("--setup-hook", args.setup_hook)):
+        if given and args.ray is None:
+            parser.error(f"{flag} needs --ray N")
     if args.trajectories % world:
         parser.error(f"--trajectories ({args.trajectories}) must be a multiple of the {world} ranks")
     return args
@@ -334,6 +341,7 @@ def run_rank(args: argparse.Namespace) -> dict:
                    "release_cache": args.release_cache,
                    "ranks": "ray async actors" if args.ray_async else "ray actors" if args.ray else "processes",
                    "device": torch.cuda.get_device_name() if cuda else "cpu", "niceness": os.nice(0),
+                   "torch_threads": torch.get_num_threads(),
                    "tokens": tokens}
         emit("median of repeats 2+: " + "  ".join(f"{k} {v:.3f}" for k, v in median.items()))
     if distributed:

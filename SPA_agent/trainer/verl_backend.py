@@ -64,16 +64,26 @@ WORKER_SETUP_HOOK = "SPA_agent.trainer.verl_patches.apply"
 ALL_GPUS_VISIBLE_ENV = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 
 
-def ray_runtime_env(verl_cfg: DictConfig, all_gpus_visible: bool, gc_freeze: bool, *, model_runner: str) -> dict:
+#: torch's CPU threads in a process (read when torch loads, so it must be in a Ray worker's environment at start)
+CPU_THREADS_ENV = "OMP_NUM_THREADS"
+
+
+def ray_runtime_env(verl_cfg: DictConfig, all_gpus_visible: bool, gc_freeze: bool, *, model_runner: str,
+                    cpu_threads: int | None) -> dict:
     """verl's PPO runtime environment for the Ray job, plus our worker setup hook (verl_patches); with
     `all_gpus_visible`, every GPU visible to every worker (each selects its own by Ray's id); with `gc_freeze`
     (trainer.gc_freeze), workers that freeze their start-up objects once their models are built (`gc_heap`);
-    `model_runner` (verl_backend.vllm_model_runner) picks the rollout engines' model runner (`model_runner_env`)."""
+    `model_runner` (verl_backend.vllm_model_runner) picks the rollout engines' model runner (`model_runner_env`);
+    `cpu_threads` (verl_backend.worker_cpu_threads), unless None, is each worker's OMP_NUM_THREADS from its start.
+
+    Why set it: Ray sets OMP_NUM_THREADS=1 only when a worker runs its first task, after the setup hook has
+    imported torch, which by then has sized its thread pool to every core of the machine."""
     from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
 
     env = get_ppo_ray_runtime_env(verl_cfg)
     env["env_vars"] = {**env.get("env_vars", {}), WORKER_GC_FREEZE_ENV: "1" if gc_freeze else "0",
-                       **({ALL_GPUS_VISIBLE_ENV: "1"} if all_gpus_visible else {}), **model_runner_env(model_runner)}
+                       **({ALL_GPUS_VISIBLE_ENV: "1"} if all_gpus_visible else {}), **model_runner_env(model_runner),
+                       **({CPU_THREADS_ENV: str(cpu_threads)} if cpu_threads is not None else {})}
     return {**env, "worker_process_setup_hook": WORKER_SETUP_HOOK}
 
 
@@ -103,7 +113,8 @@ def start_ray(backend_cfg: DictConfig, verl_cfg: DictConfig, gc_freeze: bool) ->
             os.environ.setdefault(key, value)
         ray.init(address=backend_cfg.ray_address,
                  runtime_env=ray_runtime_env(verl_cfg, bool(backend_cfg.all_gpus_visible), gc_freeze,
-                                             model_runner=backend_cfg.vllm_model_runner))
+                                             model_runner=backend_cfg.vllm_model_runner,
+                                             cpu_threads=backend_cfg.worker_cpu_threads))
 
 
 class VerlWorkers:

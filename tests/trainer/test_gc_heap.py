@@ -84,7 +84,7 @@ def test_a_model_build_freezes_the_worker_after_it_returns_and_keeps_verls_dispa
 @pytest.mark.parametrize("gc_freeze", [True, False])
 def test_the_setting_reaches_every_ray_worker(gc_freeze):
     cfg = compose("_2_sokoban", ["model=tiny", "trainer.backend=verl", f"trainer.gc_freeze={gc_freeze}"])
-    env = verl_backend.ray_runtime_env(verl_config.build_verl_config(cfg), True, cfg.trainer.gc_freeze, model_runner="auto")
+    env = verl_backend.ray_runtime_env(verl_config.build_verl_config(cfg), True, cfg.trainer.gc_freeze, model_runner="auto", cpu_threads=1)
     assert env["env_vars"][gc_heap.WORKER_GC_FREEZE_ENV] == ("1" if gc_freeze else "0")
 
 

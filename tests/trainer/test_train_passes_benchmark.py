@@ -68,11 +68,12 @@ def test_the_verl_ranks_run_as_async_ray_actors(tiny_dir, tmp_path):
     assert all(line[name] > 0 for line in lines for name in PASSES)
     (summary,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert summary["ranks"] == "ray async actors" and summary["gpus"] == 1 and summary["backend"] == "verl"
-    assert summary["niceness"] == 7
+    assert summary["niceness"] == 7 and summary["torch_threads"] == 1  # verl_backend.worker_cpu_threads
 
 
 @pytest.mark.parametrize("args, message", [
     (["--ray-async"], "--ray-async needs --ray N"),
+    (["--setup-hook"], "--setup-hook needs --ray N"),
     (["--ray", "0"], "--ray takes a number of ranks"),
     (["--backend", "local", "--ray", "2"], "the local backend runs one process"),
 ])

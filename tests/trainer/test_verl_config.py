@@ -199,6 +199,8 @@ def test_auto_tensor_parallel_is_the_default_and_lands_in_verls_rollout_config()
     ("verl_backend.worker_niceness=20", "worker_niceness must be null or a nice value from 0 to 19"),
     ("verl_backend.worker_niceness=-5", "worker_niceness must be null or a nice value from 0 to 19"),
     ("verl_backend.worker_niceness=true", "worker_niceness must be null or a nice value from 0 to 19"),
+    ("verl_backend.worker_cpu_threads=0", "worker_cpu_threads must be null or a number of threads ≥ 1"),
+    ("verl_backend.worker_cpu_threads=two", "worker_cpu_threads must be null or a number of threads ≥ 1"),
 ])
 def test_bad_settings_name_the_key(override, message):
     from SPA_agent.config import compose
@@ -228,7 +230,7 @@ def test_vllm_model_runner_reaches_every_ray_worker(model_runner, env):
 
     cfg = compose("_2_sokoban", ["model=tiny", *OVERRIDES, f"verl_backend.vllm_model_runner={model_runner}"])
     runtime = verl_backend.ray_runtime_env(vc.build_verl_config(cfg), True, True,
-                                           model_runner=cfg.verl_backend.vllm_model_runner)
+                                           model_runner=cfg.verl_backend.vllm_model_runner, cpu_threads=1)
     assert runtime["env_vars"].get("VLLM_USE_V2_MODEL_RUNNER") == env
 
 
@@ -245,6 +247,19 @@ def test_a_cluster_started_here_gets_the_backend_settings(override, env):
     cfg = compose("_2_sokoban", ["model=tiny", *OVERRIDES, *override])
     assert verl_backend.local_cluster_env(cfg.verl_backend) == env
     vc.check_verl_config(cfg, vc.build_verl_config(cfg))
+
+
+@pytest.mark.parametrize("override, threads", [([], "1"), (["verl_backend.worker_cpu_threads=4"], "4"),
+                                               (["verl_backend.worker_cpu_threads=null"], None)])
+def test_worker_cpu_threads_are_in_every_ray_workers_environment_from_its_start(override, threads):
+    from SPA_agent.config import compose
+    from SPA_agent.trainer import verl_backend
+
+    cfg = compose("_2_sokoban", ["model=tiny", *OVERRIDES, *override])
+    vc.check_verl_config(cfg, vc.build_verl_config(cfg))
+    runtime = verl_backend.ray_runtime_env(vc.build_verl_config(cfg), True, True, model_runner="auto",
+                                           cpu_threads=cfg.verl_backend.worker_cpu_threads)
+    assert runtime["env_vars"].get("OMP_NUM_THREADS") == threads
 
 
 def test_remove_padding_setting_is_checked():

@@ -7,6 +7,10 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
+import json
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -59,7 +63,7 @@ def test_workers_pack_through_the_per_sequence_attention_without_cudnn(tiny_dir,
 def test_every_ray_worker_runs_the_patch_and_sees_the_gpus_as_configured(all_gpus_visible):
     cfg = compose("_2_sokoban", ["model=tiny", "trainer.backend=verl", f"verl_backend.all_gpus_visible={all_gpus_visible}"])
     env = verl_backend.ray_runtime_env(verl_config.build_verl_config(cfg), cfg.verl_backend.all_gpus_visible, True,
-                                       model_runner="auto")
+                                       model_runner="auto", cpu_threads=1)
     module, function = env["worker_process_setup_hook"].rsplit(".", 1)
     assert getattr(importlib.import_module(module), function) is verl_patches.apply
     assert "TOKENIZERS_PARALLELISM" in env["env_vars"]  # verl's own runtime environment is kept
@@ -150,3 +154,37 @@ def test_the_named_call_prints_its_operator_table_once_after_warm_up(capsys):
         timed(call)
         tables = capsys.readouterr().out.count("[spa worker profile] W.step")
         assert tables == (call == verl_patches.PROFILED_CALL)
+
+
+#: a Ray cluster of one worker with the backend's runtime environment (setup hook included); prints the worker's
+#: torch threads, then this process's (torch's default here)
+WORKER_THREADS = """
+import json, os, sys
+import ray, torch
+from SPA_agent.config import compose
+from SPA_agent.trainer import verl_backend, verl_config
+
+cfg = compose("_2_sokoban", ["model=tiny", "trainer.backend=verl", *sys.argv[1:]])
+env = verl_backend.ray_runtime_env(verl_config.build_verl_config(cfg), False, False, model_runner="auto",
+                                   cpu_threads=cfg.verl_backend.worker_cpu_threads)
+env["env_vars"]["PYTHONPATH"] = os.pathsep.join(sys.path)
+ray.init(num_cpus=1, runtime_env=env, log_to_driver=False, include_dashboard=False)
+worker = ray.remote(lambda: torch.get_num_threads()).remote()
+print(json.dumps({"worker": ray.get(worker), "default": torch.get_num_threads()}))
+ray.shutdown()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="torch's default is one thread on one core")
+@pytest.mark.parametrize("setting", ["1", "null"])
+def test_ray_workers_start_torch_with_the_configured_threads(setting):
+    # the setup hook imports torch before Ray sets OMP_NUM_THREADS=1 (at a worker's first task): with null, torch
+    # keeps its default pool of a thread per core in every worker, as it did on the GPU hosts (issue 28)
+    env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
+    result = subprocess.run([sys.executable, "-c", WORKER_THREADS, f"verl_backend.worker_cpu_threads={setting}"],
+                            env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-4000:]
+    threads = json.loads(result.stdout.strip().splitlines()[-1])
+    assert threads["default"] > 1
+    assert threads["worker"] == (1 if setting == "1" else threads["default"])
