@@ -87,6 +87,14 @@ def ray_runtime_env(verl_cfg: DictConfig, all_gpus_visible: bool, gc_freeze: boo
     return {**env, "worker_process_setup_hook": WORKER_SETUP_HOOK}
 
 
+def set_driver_cpu_threads(backend_cfg: DictConfig) -> None:
+    """torch's CPU threads in this (the driver's) process: `verl_backend.driver_cpu_threads` unless None. With the
+    verl backend the driver only lays out batches and computes advantages on the CPU, beside the workers and the
+    rollout engines of the same machine."""
+    if backend_cfg.driver_cpu_threads is not None:
+        torch.set_num_threads(int(backend_cfg.driver_cpu_threads))
+
+
 #: Ray's setting of its workers' scheduling priority (`nice`), read by a cluster when it starts
 RAY_WORKER_NICENESS_ENV = "RAY_worker_niceness"
 
@@ -207,6 +215,7 @@ class VerlBackend:
         self.temperature = float(cfg.actor_rollout_ref.rollout.temperature)
         self.sampling = self._sampling_params()
         if workers is None:
+            set_driver_cpu_threads(cfg.verl_backend)
             start_ray(cfg.verl_backend, self.verl_cfg, bool(cfg.trainer.gc_freeze))
             workers = VerlWorkers(self.verl_cfg, self.has_ref and not self.ref_in_actor)
         self.workers = workers

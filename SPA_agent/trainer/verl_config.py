@@ -261,9 +261,10 @@ def check_verl_config(cfg: DictConfig, verl_cfg: DictConfig) -> None:
     niceness = backend.worker_niceness
     if niceness is not None and (isinstance(niceness, bool) or not isinstance(niceness, int) or not 0 <= niceness <= 19):
         raise ValueError(f"verl_backend.worker_niceness must be null or a nice value from 0 to 19, got {niceness!r}")
-    threads = backend.worker_cpu_threads
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise ValueError(f"verl_backend.worker_cpu_threads must be null or a number of threads ≥ 1, got {threads!r}")
+    for key in ("worker_cpu_threads", "driver_cpu_threads"):
+        threads = backend[key]
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"verl_backend.{key} must be null or a number of threads ≥ 1, got {threads!r}")
     world = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
     tp = verl_cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
     if world % tp:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 from verl.utils.config import omega_conf_to_dataclass
 
@@ -201,6 +202,7 @@ def test_auto_tensor_parallel_is_the_default_and_lands_in_verls_rollout_config()
     ("verl_backend.worker_niceness=true", "worker_niceness must be null or a nice value from 0 to 19"),
     ("verl_backend.worker_cpu_threads=0", "worker_cpu_threads must be null or a number of threads ≥ 1"),
     ("verl_backend.worker_cpu_threads=two", "worker_cpu_threads must be null or a number of threads ≥ 1"),
+    ("verl_backend.driver_cpu_threads=0", "driver_cpu_threads must be null or a number of threads ≥ 1"),
 ])
 def test_bad_settings_name_the_key(override, message):
     from SPA_agent.config import compose
@@ -260,6 +262,19 @@ def test_worker_cpu_threads_are_in_every_ray_workers_environment_from_its_start(
     runtime = verl_backend.ray_runtime_env(vc.build_verl_config(cfg), True, True, model_runner="auto",
                                            cpu_threads=cfg.verl_backend.worker_cpu_threads)
     assert runtime["env_vars"].get("OMP_NUM_THREADS") == threads
+
+
+@pytest.mark.parametrize("setting", [2, None])
+def test_driver_cpu_threads_set_torchs_threads_in_the_driver(setting):
+    from SPA_agent.trainer import verl_backend
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        verl_backend.set_driver_cpu_threads(OmegaConf.create({"driver_cpu_threads": setting}))
+        assert torch.get_num_threads() == (setting or 3)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_remove_padding_setting_is_checked():
