@@ -6,8 +6,9 @@ Steady = the median over the steps after the first --skip (the first step pays C
 and allocator warm-up). Rows: the driver's phases (`timing_s/<phase>`, ppo_trainer.py) and the step, without the
 checkpoint save or validation that some steps end with; the last column is the second run's time over the first's.
 The verl backend's own rows are parts of the driver's: `rollout_wake` (weight sync and engine resume) of `gen`,
-`rollout_sleep` (engine release) of `old_log_prob`, and `<pass>_call` of each training pass: the worker-group call
-(dispatch, the workers' work, collection), the rest of the pass being the driver's layout of the batch. Last,
+`rollout_sleep` (engine release) of `old_log_prob`, and of each training pass `<pass>_prepare` (the driver's layout
+of its input) and `<pass>_call` (the worker-group call: dispatch, the workers' work, collection), the rest of the
+pass being the driver's layout of its output. Last,
 `gc_full`: the driver's full garbage collections within the step, part of whichever phases they fell in.
 """
 
@@ -18,9 +19,12 @@ import json
 import statistics
 from pathlib import Path
 
-PHASES = ("gen", "rollout_wake", "filter", "old_log_prob", "rollout_sleep", "old_log_prob_call", "ref", "ref_call",
-          "diagnostics", "values", "values_call", "adv", "update_critic", "update_critic_call", "update_actor",
-          "update_actor_call")
+#: the driver's phases, each verl training pass followed by its own parts
+PHASES = ("gen", "rollout_wake", "filter",
+          "old_log_prob", "rollout_sleep", "old_log_prob_prepare", "old_log_prob_call",
+          "ref", "ref_prepare", "ref_call", "diagnostics", "values", "values_prepare", "values_call", "adv",
+          "update_critic", "update_critic_prepare", "update_critic_call",
+          "update_actor", "update_actor_prepare", "update_actor_call")
 #: timed parts of a step that are not its training (ppo_trainer.py), left out of the step row
 STEP_EXTRAS = ("save_checkpoint", "testing")
 

@@ -267,9 +267,9 @@ class VerlBackend:
             self._rollout_awake = False
 
     def step_timings(self) -> dict[str, float]:
-        """Weight sync and engine resume (`rollout_wake`), engine release (`rollout_sleep`), and each pass's
-        worker-group call (`<phase>_call`: dispatch to the workers, their work, collection; the rest of the phase
-        is the driver's layout)."""
+        """Weight sync and engine resume (`rollout_wake`), engine release (`rollout_sleep`), and for each pass
+        the driver's layout of its input (`<phase>_prepare`) and its worker-group call (`<phase>_call`: dispatch
+        to the workers, their work, collection); the rest of the phase is the driver's layout of the output."""
         timings, self._timer = self._timer.metrics(), PhaseTimer()
         return timings
 
@@ -293,8 +293,9 @@ class VerlBackend:
         (worker key → our key) as (B, T-1) tensors in the batch's own order. The call's round trip is timed as
         `<phase>_call`."""
         self._sleep_rollout()
-        ordered, restore = self._in_dispatch_order(batch)
-        data = vl.worker_input(ordered, token_keys, **meta)
+        with self._timer(f"{phase}_prepare"):
+            ordered, restore = self._in_dispatch_order(batch)
+            data = vl.worker_input(ordered, token_keys, **meta)
         with self._timer(f"{phase}_call"):
             output = group_call(data)
         tensors = {ours: self._token_output(output, data, ordered, theirs) for theirs, ours in keys.items()}
@@ -328,8 +329,9 @@ class VerlBackend:
 
     def update_critic(self, batch: DataProto) -> dict[str, float]:
         self._sleep_rollout()
-        batch, _ = self._in_dispatch_order(batch)
-        data = vl.worker_input(batch, ("response_mask", "values", "returns"), **self._update_meta(self.cfg.critic))
+        with self._timer("update_critic_prepare"):
+            batch, _ = self._in_dispatch_order(batch)
+            data = vl.worker_input(batch, ("response_mask", "values", "returns"), **self._update_meta(self.cfg.critic))
         with self._timer("update_critic_call"):
             output = self.workers.critic.train_mini_batch(data).get()
         return _metrics(tu.get(output, "metrics"), "critic/")
@@ -337,10 +339,11 @@ class VerlBackend:
     def update_actor(self, batch: DataProto) -> dict[str, float]:
         actor = self.cfg.actor_rollout_ref.actor
         self._sleep_rollout()
-        batch, _ = self._in_dispatch_order(batch)
-        keys = ("response_mask", "old_log_probs", "advantages") + (("ref_log_prob",) if actor.use_kl_loss else ())
-        data = vl.worker_input(batch, keys, calculate_entropy=actor.entropy_coeff != 0, compute_loss=True,
-                               distillation_use_topk=False, distillation_only=False, **self._update_meta(actor))
+        with self._timer("update_actor_prepare"):
+            batch, _ = self._in_dispatch_order(batch)
+            keys = ("response_mask", "old_log_probs", "advantages") + (("ref_log_prob",) if actor.use_kl_loss else ())
+            data = vl.worker_input(batch, keys, calculate_entropy=actor.entropy_coeff != 0, compute_loss=True,
+                                   distillation_use_topk=False, distillation_only=False, **self._update_meta(actor))
         with self._timer("update_actor_call"):
             output = self.workers.actor.update_actor(data)
         self._actor_updates += 1

@@ -247,6 +247,9 @@ def test_two_ranks_get_balanced_rows_and_outputs_come_back_in_batch_order(tiny_t
         expected_order = verl_layout.balanced_order(mask, 2) if n_gpus == 2 else torch.arange(8)
         assert sent == [[lengths[row] for row in expected_order]] * 3  # old and ref log-probs, actor update
         assert backend.workers.critic.received[0]["input_ids"].offsets().diff().tolist() == sent[0]
+        # each pass reports the driver's layout of its input and its worker-group call apart (issue 28)
+        assert set(backend.step_timings()) == {f"timing_s/{phase}_{part}" for part in ("prepare", "call")
+                                               for phase in ("old_log_prob", "ref", "values", "update_actor")}
     real = mask[:, 1:].bool()
     for key in ("old_log_probs", "entropys", "ref_log_prob"):
         # the output of token j+1's column is the echo of token j, the position it is predicted from
