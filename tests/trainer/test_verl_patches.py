@@ -156,35 +156,40 @@ def test_the_named_call_prints_its_operator_table_once_after_warm_up(capsys):
         assert tables == (call == verl_patches.PROFILED_CALL)
 
 
-#: a Ray cluster of one worker with the backend's runtime environment (setup hook included); prints the worker's
-#: torch threads, then this process's (torch's default here)
+#: one Ray cluster with the backend's runtime environment (setup hook included) and `worker_cpu_threads` null; a
+#: worker of it, and one started with the environment variables that the setting 1 adds; prints their torch
+#: threads and this process's (torch's default here)
 WORKER_THREADS = """
 import json, os, sys
 import ray, torch
 from SPA_agent.config import compose
 from SPA_agent.trainer import verl_backend, verl_config
 
-cfg = compose("_2_sokoban", ["model=tiny", "trainer.backend=verl", *sys.argv[1:]])
-env = verl_backend.ray_runtime_env(verl_config.build_verl_config(cfg), False, False, model_runner="auto",
-                                   cpu_threads=cfg.verl_backend.worker_cpu_threads)
-env["env_vars"]["PYTHONPATH"] = os.pathsep.join(sys.path)
-ray.init(num_cpus=1, runtime_env=env, log_to_driver=False, include_dashboard=False)
-worker = ray.remote(lambda: torch.get_num_threads()).remote()
-print(json.dumps({"worker": ray.get(worker), "default": torch.get_num_threads()}))
+def runtime_env(setting):
+    cfg = compose("_2_sokoban", ["model=tiny", "trainer.backend=verl", f"verl_backend.worker_cpu_threads={setting}"])
+    env = verl_backend.ray_runtime_env(verl_config.build_verl_config(cfg), False, False, model_runner="auto",
+                                       cpu_threads=cfg.verl_backend.worker_cpu_threads)
+    env["env_vars"]["PYTHONPATH"] = os.pathsep.join(sys.path)
+    return env
+
+ray.init(num_cpus=2, runtime_env=runtime_env("null"), log_to_driver=False, include_dashboard=False)
+threads = ray.remote(lambda: torch.get_num_threads())
+print(json.dumps({"null": ray.get(threads.remote()),
+                  "1": ray.get(threads.options(runtime_env={"env_vars": runtime_env("1")["env_vars"]}).remote()),
+                  "default": torch.get_num_threads()}))
 ray.shutdown()
 """
 
 
 @pytest.mark.slow
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="torch's default is one thread on one core")
-@pytest.mark.parametrize("setting", ["1", "null"])
-def test_ray_workers_start_torch_with_the_configured_threads(setting):
+def test_ray_workers_start_torch_with_the_configured_threads():
     # the setup hook imports torch before Ray sets OMP_NUM_THREADS=1 (at a worker's first task): with null, torch
     # keeps its default pool of a thread per core in every worker, as it did on the GPU hosts (issue 28)
     env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
-    result = subprocess.run([sys.executable, "-c", WORKER_THREADS, f"verl_backend.worker_cpu_threads={setting}"],
-                            env=env, capture_output=True, text=True, timeout=300, check=False)
+    result = subprocess.run([sys.executable, "-c", WORKER_THREADS], env=env, capture_output=True, text=True,
+                            timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-4000:]
     threads = json.loads(result.stdout.strip().splitlines()[-1])
     assert threads["default"] > 1
-    assert threads["worker"] == (1 if setting == "1" else threads["default"])
+    assert threads == {"null": threads["default"], "1": 1, "default": threads["default"]}
