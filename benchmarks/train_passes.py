@@ -104,8 +104,9 @@ def verl_backend(cfg, tokenizer):
     from SPA_agent.trainer.verl_config import build_verl_config
 
     verl_cfg = build_verl_config(cfg)
-    for key, value in ray_runtime_env(verl_cfg, False, cfg.trainer.gc_freeze, model_runner="auto",
-                                      cpu_threads=cfg.verl_backend.worker_cpu_threads)["env_vars"].items():  # a Ray worker's
+    worker_env = ray_runtime_env(verl_cfg, False, cfg.trainer.gc_freeze, model_runner="auto",
+                                 cpu_threads=cfg.verl_backend.worker_cpu_threads)["env_vars"]
+    for key, value in worker_env.items():  # a Ray worker's
         os.environ.setdefault(key, str(value))
     verl_patches.apply()
     workers = {}

@@ -259,7 +259,8 @@ def check_verl_config(cfg: DictConfig, verl_cfg: DictConfig) -> None:
                          f"{backend.rollout_name!r}")
     model_runner_env(backend.vllm_model_runner)
     niceness = backend.worker_niceness
-    if niceness is not None and (isinstance(niceness, bool) or not isinstance(niceness, int) or not 0 <= niceness <= 19):
+    if niceness is not None and (isinstance(niceness, bool) or not isinstance(niceness, int)
+                                 or not 0 <= niceness <= 19):
         raise ValueError(f"verl_backend.worker_niceness must be null or a nice value from 0 to 19, got {niceness!r}")
     for key in ("worker_cpu_threads", "driver_cpu_threads"):
         threads = backend[key]
