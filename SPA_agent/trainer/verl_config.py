@@ -154,16 +154,22 @@ def free_cache_engine(setting: bool | str, *, parameters: int, gpu_bytes: int | 
     return kept > (1 - memory_share) * gpu_bytes / 2
 
 
-def model_weight_bytes(path: str, dtype: str) -> tuple[int, int]:
-    """(bytes of the model's weights in `dtype`, its attention heads), counted on the meta device: nothing is read
-    but the config."""
+@functools.lru_cache(maxsize=8)
+def model_parameters(path: str) -> tuple[int, int]:
+    """(the model's parameters, its attention heads), counted once per path on the meta device: nothing is read but
+    the config (both `auto` settings of the rollout ask)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    weights = sum(p.numel() for p in model.parameters()) * torch.finfo(getattr(torch, dtype)).bits // 8
-    return weights, config.num_attention_heads
+    return sum(p.numel() for p in model.parameters()), config.num_attention_heads
+
+
+def model_weight_bytes(path: str, dtype: str) -> tuple[int, int]:
+    """(bytes of the model's weights in `dtype`, its attention heads)."""
+    parameters, heads = model_parameters(path)
+    return parameters * torch.finfo(getattr(torch, dtype)).bits // 8, heads
 
 
 def _gpu_bytes() -> int | None:
@@ -181,8 +187,8 @@ def _rollout_tp(cfg: DictConfig, model_path: str) -> int:
 
 
 def _free_cache_engine(cfg: DictConfig, model_path: str) -> bool:
-    parameters = model_weight_bytes(model_path, "float32")[0] // 4  # 4 bytes a float32 parameter
-    return free_cache_engine(cfg.verl_backend.free_cache_engine, parameters=parameters, gpu_bytes=_gpu_bytes(),
+    return free_cache_engine(cfg.verl_backend.free_cache_engine, parameters=model_parameters(model_path)[0],
+                             gpu_bytes=_gpu_bytes(),
                              memory_share=cfg.actor_rollout_ref.rollout.gpu_memory_utilization,
                              gpus=cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes,
                              has_ref=bool(cfg.actor_rollout_ref.actor.use_ref))
