@@ -35,7 +35,6 @@ import copy
 import importlib
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -44,6 +43,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from torch.distributed.elastic.utils.distributed import get_free_port
 from verl import DataProto
 
 REPO = Path(__file__).resolve().parents[1]
@@ -141,12 +141,6 @@ class AsyncPassesRank(PassesRank):
         return True
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def in_ray(args: argparse.Namespace) -> dict:
     """The ranks as Ray actors in the verl backend's Ray job environment; without `--setup-hook`, without its
     worker setup hook (each rank applies `verl_patches` itself, after `--rank-setup`); returns rank 0's result."""
@@ -168,7 +162,7 @@ def in_ray(args: argparse.Namespace) -> dict:
     runtime["env_vars"]["PYTHONPATH"] = os.pathsep.join(path for path in sys.path if path)
     ray.init(runtime_env=runtime, log_to_driver=False)
     actor = ray.remote(num_gpus=1 if cuda else 0)(AsyncPassesRank if args.ray_async else PassesRank)
-    port = free_port()
+    port = get_free_port()
     try:
         ranks = [actor.remote() for _ in range(args.ray)]
         return ray.get([

@@ -15,7 +15,6 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.elastic.utils.distributed import get_free_port
 from tqdm import tqdm
 
 from sft import checkpointing as ckpt
@@ -98,19 +98,13 @@ def resolve_kernel_choices(cfg: DictConfig, use_cuda: bool) -> None:
         cfg.data.pad_packed_to_multiple = FLEX_PAD_MULTIPLE if flex else 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class SftTrainer:
     """setup / train / save_checkpoint / cleanup over `cfg` (sft/config/sft_trainer.yaml)."""
 
     def __init__(self, cfg: DictConfig, rank: int = 0, world_size: int = 1, local_rank: int = 0,
                  init_method: str | None = None):
         self.cfg, self.rank, self.world_size, self.local_rank = cfg, rank, world_size, local_rank
-        self.init_method = init_method or f"tcp://127.0.0.1:{_free_port()}"
+        self.init_method = init_method or f"tcp://127.0.0.1:{get_free_port()}"
         self.out_dir = Path(cfg.trainer.default_local_dir)
         self.global_step = 0
 
