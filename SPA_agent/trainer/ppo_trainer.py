@@ -6,28 +6,20 @@ One step is a list of named, timed phases (`timing_s/<phase>`):
     filter         StarPO-S: keep the groups with the most spread-out scores (then, with
                    algorithm.drop_zero_variance_groups, drop those whose scores are all equal; a step left with
                    none skips the phases below); response_mask := loss_mask
-    values         critic values (GAE only: the other estimators have no critic)
     old_log_prob   actor log-probs of the batch (and entropies)
     ref            reference log-probs (when a reference model exists)
     diagnostics    span entropies, KL to the reference; every trainer.diagnostics.mi_freq steps the input
                    dependence of the reasoning (one extra log-prob pass; diagnostics.py, docs/diagnostics.md)
+    values         critic values (GAE only: the other estimators have no critic)
     adv            rewards (optionally minus β·KL) and GAE / bi-level GAE / critic-free (GRPO, RLOO, …) advantages
     update_critic  clipped value loss, one pass of mini-batches (GAE only)
     update_actor   clipped policy loss − entropy bonus (+ KL loss), after critic_warmup steps
     testing        validation rollouts (`val-env/*`) every test_freq steps and at the last step
     save_checkpoint  every save_freq steps and at the last step
-
-A backend whose critic runs in worker processes of its own (`concurrent_critic`: verl with
-verl_backend.separate_critic) gets its critic's phases in a driver thread beside the actor's (`critic_lane`):
-`values` beside old_log_prob, ref and diagnostics; `update_critic` beside update_actor. The phases then overlap and
-their seconds add up to more than the step's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -92,29 +84,25 @@ class PPOTrainer:
         metrics.update(filter_metrics)
         if len(batch) == 0:  # every group dropped by algorithm.drop_zero_variance_groups: nothing to learn from
             return metrics
-        with critic_lane(self.backend) as lane:
-            values = critic_update = None
-            if self.use_critic:
-                values = lane.submit(_timed, timer, "values", self.backend.compute_values, _view(batch))
-            with timer("old_log_prob"):
-                batch = batch.union(self.backend.compute_log_prob(batch))
-            if self.backend.has_ref:
-                with timer("ref"):
-                    batch = batch.union(self.backend.compute_ref_log_prob(batch))
-            if self.diagnostics is not None:
-                with timer("diagnostics"):
-                    metrics.update(self.diagnostics.step_metrics(batch, rollout.batch, step))
-            if values is not None:
-                batch = batch.union(values())
-            with timer("adv"):
-                metrics.update(self.compute_advantage(batch))
-            if self.use_critic:
-                critic_update = lane.submit(_timed, timer, "update_critic", self.backend.update_critic, _view(batch))
-            if step > self.cfg.trainer.critic_warmup:
-                with timer("update_actor"):
-                    metrics.update(self.backend.update_actor(batch))
-            if critic_update is not None:
-                metrics.update(critic_update())
+        with timer("old_log_prob"):
+            batch = batch.union(self.backend.compute_log_prob(batch))
+        if self.backend.has_ref:
+            with timer("ref"):
+                batch = batch.union(self.backend.compute_ref_log_prob(batch))
+        if self.diagnostics is not None:
+            with timer("diagnostics"):
+                metrics.update(self.diagnostics.step_metrics(batch, rollout.batch, step))
+        if self.use_critic:
+            with timer("values"):
+                batch = batch.union(self.backend.compute_values(batch))
+        with timer("adv"):
+            metrics.update(self.compute_advantage(batch))
+        if self.use_critic:
+            with timer("update_critic"):
+                metrics.update(self.backend.update_critic(batch))
+        if step > self.cfg.trainer.critic_warmup:
+            with timer("update_actor"):
+                metrics.update(self.backend.update_actor(batch))
         metrics.update(data_metrics(batch))
         metrics.update(self.backend.step_timings())
         metrics["perf/total_num_tokens"] = float(batch.batch["attention_mask"].sum())
@@ -212,44 +200,6 @@ def _report_phase(step: int, phase: str, seconds: float) -> None:
     """A redirected log's line per finished phase (the whole step is the metric logger's line)."""
     if phase != "step":
         plain_line(f"step {step}: {phase} done ({seconds:.1f} s)")
-
-
-class CriticLane:
-    """Runs a critic pass in its thread (`pool`) or at once (None): see `critic_lane`."""
-
-    def __init__(self, pool: ThreadPoolExecutor | None):
-        self.pool = pool
-
-    def submit(self, fn: Callable, *args) -> Callable[[], object]:
-        """Start `fn(*args)`; returns what waits for its result."""
-        if self.pool is None:
-            result = fn(*args)
-            return lambda: result
-        return self.pool.submit(fn, *args).result
-
-
-@contextmanager
-def critic_lane(backend: WorkerGroup) -> Iterator[CriticLane]:
-    """Where the step runs the critic's passes (values, its update): in a thread of their own, beside the actor's
-    passes in this one, when the backend runs its critic in worker processes of its own (`concurrent_critic`,
-    verl_backend.separate_critic); else at once, in this thread. Either way the numbers are the same: the critic's
-    passes read nothing the actor's write."""
-    if not getattr(backend, "concurrent_critic", False):
-        yield CriticLane(None)
-        return
-    with ThreadPoolExecutor(1, thread_name_prefix="critic") as pool:
-        yield CriticLane(pool)
-
-
-def _timed(timer: PhaseTimer, phase: str, fn: Callable, *args):
-    with timer(phase):
-        return fn(*args)
-
-
-def _view(batch: DataProto) -> DataProto:
-    """A batch of the same tensors under keys of its own: the critic's thread reads it while this thread adds keys."""
-    return DataProto(batch=batch.batch.clone(recurse=False), non_tensor_batch=dict(batch.non_tensor_batch),
-                     meta_info=dict(batch.meta_info))
 
 
 def _turns(batch: DataProto, algo: DictConfig) -> dict | None:

@@ -20,7 +20,6 @@ import asyncio
 import hashlib
 import importlib.util
 import json
-import threading
 from functools import partial
 from pathlib import Path
 
@@ -127,13 +126,9 @@ def start_ray(backend_cfg: DictConfig, verl_cfg: DictConfig, gc_freeze: bool) ->
 
 
 class VerlWorkers:
-    """The Ray worker groups and the rollout servers, started as verl's RayPPOTrainer.init_workers starts them.
+    """The Ray worker groups and the rollout servers, started as verl's RayPPOTrainer.init_workers starts them."""
 
-    `separate_critic` (verl_backend.separate_critic): the critic's workers are processes of their own beside the
-    actor's on the same GPUs (two worker groups on one resource pool, as verl places Megatron's models), instead of
-    one fused process per GPU holding both; the driver can then run critic and actor passes at the same time."""
-
-    def __init__(self, verl_cfg: DictConfig, has_ref: bool, separate_critic: bool = False):
+    def __init__(self, verl_cfg: DictConfig, has_ref: bool):
         import ray
         from verl.checkpoint_engine import CheckpointEngineManager
         from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup, ResourcePoolManager
@@ -155,13 +150,9 @@ class VerlWorkers:
                                                   config=verl_cfg.actor_rollout_ref, role=str(actor_role)),
             str(Role.Critic): RayClassWithInitArgs(cls=ray.remote(TrainingWorker), config=critic_config),
         }
-        if separate_critic:
-            groups = {role: RayWorkerGroup(resource_pool=pool, ray_cls_with_init=cls, device_name="cuda")
-                      for role, cls in classes.items()}
-        else:
-            group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=create_colocated_worker_cls(class_dict=classes),
-                                   device_name="cuda")
-            groups = group.spawn(prefix_set=classes.keys())
+        group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=create_colocated_worker_cls(class_dict=classes),
+                               device_name="cuda")
+        groups = group.spawn(prefix_set=classes.keys())
         self.critic = groups[str(Role.Critic)]
         self.critic.reset()
         self.critic.set_loss_fn(critic_loss)
@@ -223,15 +214,12 @@ class VerlBackend:
         self.ref_in_actor = cfg.actor_rollout_ref.model.lora_rank > 0
         self.temperature = float(cfg.actor_rollout_ref.rollout.temperature)
         self.sampling = self._sampling_params()
-        #: the critic has worker processes of its own: the driver may run its passes beside the actor's
-        self.concurrent_critic = bool(cfg.verl_backend.separate_critic)
         if workers is None:
             set_driver_cpu_threads(cfg.verl_backend)
             start_ray(cfg.verl_backend, self.verl_cfg, bool(cfg.trainer.gc_freeze))
-            workers = VerlWorkers(self.verl_cfg, self.has_ref and not self.ref_in_actor, self.concurrent_critic)
+            workers = VerlWorkers(self.verl_cfg, self.has_ref and not self.ref_in_actor)
         self.workers = workers
         self._rollout_awake = False
-        self._rollout_lock = threading.Lock()  # the critic's passes may run in another driver thread
         self._actor_updates = 0
         self._timer = PhaseTimer()
 
@@ -266,19 +254,17 @@ class VerlBackend:
 
     def _wake_rollout(self) -> None:
         """Sync the FSDP actor's weights into the engine and resume it (verl's naive checkpoint engine)."""
-        with self._rollout_lock:
-            if not self._rollout_awake:
-                with self._timer("rollout_wake"):  # inside the driver's `gen`
-                    self.workers.checkpoints.update_weights(self._actor_updates)
-                self._rollout_awake = True
+        if not self._rollout_awake:
+            with self._timer("rollout_wake"):  # inside the driver's `gen`
+                self.workers.checkpoints.update_weights(self._actor_updates)
+            self._rollout_awake = True
 
     def _sleep_rollout(self) -> None:
         """Free the engine's weights and KV cache for the training passes."""
-        with self._rollout_lock:
-            if self._rollout_awake:
-                with self._timer("rollout_sleep"):  # inside the first training pass after `gen`
-                    self.workers.checkpoints.sleep_replicas()
-                self._rollout_awake = False
+        if self._rollout_awake:
+            with self._timer("rollout_sleep"):  # inside the first training pass after `gen`
+                self.workers.checkpoints.sleep_replicas()
+            self._rollout_awake = False
 
     def step_timings(self) -> dict[str, float]:
         """Weight sync and engine resume (`rollout_wake`), engine release (`rollout_sleep`), and for each pass

@@ -272,8 +272,6 @@ def check_verl_config(cfg: DictConfig, verl_cfg: DictConfig) -> None:
         threads = backend[key]
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise ValueError(f"verl_backend.{key} must be null or a number of threads ≥ 1, got {threads!r}")
-    if not isinstance(backend.separate_critic, bool):
-        raise ValueError(f"verl_backend.separate_critic must be true or false, got {backend.separate_critic!r}")
     world = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
     tp = verl_cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
     if world % tp:

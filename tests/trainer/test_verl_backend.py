@@ -7,8 +7,6 @@ CriticConfig, and verl's own `ppo_loss` / `value_loss` (verl.workers.utils.losse
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 import torch
@@ -75,7 +73,6 @@ def test_engine_wakes_once_per_rollout_and_reports_its_seconds():
     backend = object.__new__(VerlBackend)  # the engine bookkeeping only: no Ray workers
     backend.workers = type("Workers", (), {"checkpoints": Checkpoints})()
     backend._rollout_awake, backend._actor_updates, backend._timer = False, 3, PhaseTimer()
-    backend._rollout_lock = threading.Lock()
     backend._wake_rollout(), backend._wake_rollout(), backend._sleep_rollout(), backend._sleep_rollout()
     assert calls == [("sync", 3), ("sleep",)]
     assert set(backend.step_timings()) == {"timing_s/rollout_wake", "timing_s/rollout_sleep"}
@@ -217,20 +214,14 @@ class _EchoGroup:
         return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": {}})
 
 
-def _echo_backend(n_gpus: int, tokenizer, *overrides: str):
+def _echo_backend(n_gpus: int, tokenizer):
     """The driver side only: the echo groups stand in for Ray's (sglang: no vLLM request options to import)."""
     from SPA_agent.trainer.verl_backend import VerlBackend
 
     cfg = compose("_2_sokoban", ["model=tiny", "trainer.backend=verl", f"trainer.n_gpus_per_node={n_gpus}",
-                                 "verl_backend.rollout_name=sglang", *overrides])
+                                 "verl_backend.rollout_name=sglang"])
     workers = type("Workers", (), {"actor": _EchoGroup(), "critic": _EchoGroup()})()
     return VerlBackend(cfg, tokenizer, workers=workers)
-
-
-@pytest.mark.parametrize("overrides, concurrent", [((), False), (("verl_backend.separate_critic=true",), True)])
-def test_only_a_separate_critic_runs_beside_the_actor(tiny_tokenizer, overrides, concurrent):
-    # what the PPO step reads to put the critic's passes in a thread of their own (ppo_trainer.critic_lane)
-    assert _echo_backend(2, tiny_tokenizer, *overrides).concurrent_critic is concurrent
 
 
 def test_two_ranks_get_balanced_rows_and_outputs_come_back_in_batch_order(tiny_tokenizer):
