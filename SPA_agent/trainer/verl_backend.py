@@ -89,8 +89,9 @@ def ray_runtime_env(verl_cfg: DictConfig, all_gpus_visible: bool, gc_freeze: boo
 
 def set_driver_cpu_threads(backend_cfg: DictConfig) -> None:
     """torch's CPU threads in this (the driver's) process: `verl_backend.driver_cpu_threads` unless None. With the
-    verl backend the driver only lays out batches and computes advantages on the CPU, beside the workers and the
-    rollout engines of the same machine."""
+    verl backend the driver only lays out batches, filters them and computes advantages on the CPU, beside the
+    workers and the rollout engines of the same machine: torch's pool of a thread per core made that slower there
+    (benchmarks/RESULTS.md, "One torch thread in the driver")."""
     if backend_cfg.driver_cpu_threads is not None:
         torch.set_num_threads(int(backend_cfg.driver_cpu_threads))
 

@@ -264,15 +264,19 @@ def test_worker_cpu_threads_are_in_every_ray_workers_environment_from_its_start(
     assert runtime["env_vars"].get("OMP_NUM_THREADS") == threads
 
 
-@pytest.mark.parametrize("setting", [2, None])
-def test_driver_cpu_threads_set_torchs_threads_in_the_driver(setting):
+@pytest.mark.parametrize("override, threads", [([], 1), (["verl_backend.driver_cpu_threads=2"], 2),
+                                               (["verl_backend.driver_cpu_threads=null"], None)])
+def test_driver_cpu_threads_set_torchs_threads_in_the_driver(override, threads):
+    # one by default: the driver's thread per core slowed its CPU phases beside the workers (benchmarks/RESULTS.md)
+    from SPA_agent.config import compose
     from SPA_agent.trainer import verl_backend
 
+    cfg = compose("_2_sokoban", ["model=tiny", *OVERRIDES, *override])
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(3)
-        verl_backend.set_driver_cpu_threads(OmegaConf.create({"driver_cpu_threads": setting}))
-        assert torch.get_num_threads() == (setting or 3)
+        verl_backend.set_driver_cpu_threads(cfg.verl_backend)
+        assert torch.get_num_threads() == (threads or 3)
     finally:
         torch.set_num_threads(before)
 
