@@ -15,17 +15,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from verl_cpu import CPU_SETTINGS
 
 ROOT = Path(__file__).resolve().parents[2]
 PASSES = ["old_log_prob", "values", "update_critic", "update_actor", "total"]
 SMALL = ["--preset", "tiny", "--repeats", "2", "--trajectories", "4", "--tokens", "40",
          "--set", "actor_rollout_ref.actor.use_ref=False"]
-#: FSDP2 in float32 for both verl models (CPU only), as verl keys set directly
-CPU_SETTINGS = [f"+verl_backend.verl_config.{path}={value}"
-                for role, engine in (("actor_rollout_ref.actor", "fsdp_config"), ("critic", "fsdp"))
-                for path, value in ((f"{role}.strategy", "fsdp2"), (f"{role}.{engine}.strategy", "fsdp2"),
-                                    (f"{role}.{engine}.mixed_precision",
-                                     "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"))]
 
 
 def _run(tiny_dir, out: Path, *args) -> list[dict]:

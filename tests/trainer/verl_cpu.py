@@ -12,6 +12,14 @@ import socket
 
 import torch
 
+#: FSDP2 in float32 for both verl models, as verl keys set directly: FSDP1 in bf16, the configured default, refuses
+#: to run without an accelerator
+CPU_SETTINGS = [f"+verl_backend.verl_config.{path}={value}"
+                for role, engine in (("actor_rollout_ref.actor", "fsdp_config"), ("critic", "fsdp"))
+                for path, value in ((f"{role}.strategy", "fsdp2"), (f"{role}.{engine}.strategy", "fsdp2"),
+                                    (f"{role}.{engine}.mixed_precision",
+                                     "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"))]
+
 
 def cpu_platform():
     """verl's device abstraction on the CPU (verl picks `nvidia` when it finds no accelerator)."""
