@@ -4,14 +4,15 @@
 #
 #   bash benchmarks/backend_parity_sokoban.sh <out_dir> [sft_checkpoint] [STEPS=20] [-- overrides of both runs]
 #
-# Without a checkpoint, stages 1-2 of run_spa.sh make one first: random-action self-play data (CPU, seconds) and
-# SFT on GPU 0 with SFT_OVERRIDES (default: 1 epoch, padded sdpa micro-batches of 8 rows, which need no compile;
-# about 4 minutes on an H100). PPO goes through train_ppo_sfted.sh, with the original's base prompts: the SFT
-# checkpoint starts near 0 there and PPO recovers the answer format within about 10 steps (docs/smollm2.md), a
-# learning signal both backends must show. Validation: the 128 validation puzzles ×
+# Without a checkpoint ("" gives STEPS without one), stages 1-2 of run_spa.sh make one first: random-action
+# self-play data (CPU, seconds) and SFT on GPU 0 with SFT_OVERRIDES (default: 1 epoch, padded sdpa micro-batches of
+# 8 rows, which need no compile; about 4 minutes on an H100). PPO goes through train_ppo_sfted.sh, with the
+# original's base prompts: the SFT checkpoint starts near 0 there and PPO recovers the answer format within about 10
+# steps (docs/smollm2.md), a learning signal both backends must show. Validation: the 128 validation puzzles ×
 # VAL_SAMPLES (2) every TEST_FREQ (5) steps. SEED (0) sets trainer.seed and generator.seed.
 # With 2 or more GPUs the two runs go side by side, local on GPU 0 and verl on GPU 1 (PARALLEL=1, the default);
-# PARALLEL=0 runs them one after the other, verl on all GPUs. Per-step metrics: <out>/{local,verl}_seed<SEED>.jsonl,
+# PARALLEL=0 runs them one after the other, verl on all GPUs. Per-step metrics: <out>/{local,verl}_seed<SEED>.jsonl
+# (each run's config beside it as .config.yaml, the SFT's metrics as sft_metrics.jsonl),
 # drawn by `python benchmarks/backend_curves.py <out> --val-episodes $((128 * VAL_SAMPLES))`.
 # Needs the project's GPU dependencies (vllm, ray, verl) and the SmolLM2 file (docs/smollm2.md).
 set -uo pipefail
@@ -49,6 +50,7 @@ if [ -z "$ckpt" ]; then
         > "$out/sft.log" 2>&1 || { echo "error: SFT ($out/sft.log)" >&2; exit 1; }
     ckpt="$(ls -d "$work"/sft/global_step_* | sort -V | tail -1)"
     cp "$work/data/data_card.md" "$out/" 2>/dev/null
+    cp "$work/sft/metrics.jsonl" "$out/sft_metrics.jsonl" 2>/dev/null
 fi
 echo "== PPO from $ckpt" | tee -a "$out/summary.txt"
 
@@ -64,6 +66,7 @@ run() {  # run BACKEND GPU_LIST [overrides...]
     rc=$?
     echo "== $name exit=$rc seconds=$(( $(date +%s) - start ))" | tee -a "$out/summary.txt"
     cp "$work/runs/_2_sokoban/$name/metrics.jsonl" "$out/$name.jsonl" 2>/dev/null
+    cp "$work/runs/_2_sokoban/$name/config.yaml" "$out/$name.config.yaml" 2>/dev/null
 }
 
 if [ "$gpus" -ge 2 ] && [ "${PARALLEL:-1}" = 1 ]; then
