@@ -9,7 +9,8 @@
 # 8 rows, which need no compile; about 4 minutes on an H100). PPO goes through train_ppo_sfted.sh, with the
 # original's base prompts: the SFT checkpoint starts near 0 there and PPO recovers the answer format within about 10
 # steps (docs/smollm2.md), a learning signal both backends must show. Validation: the 128 validation puzzles ×
-# VAL_SAMPLES (2) every TEST_FREQ (5) steps. SEED (0) sets trainer.seed and generator.seed.
+# VAL_SAMPLES (2) every TEST_FREQ (5) steps. SEED (0) sets trainer.seed and generator.seed; several, e.g.
+# SEED="0 1 2", run one seed after the other from the same checkpoint.
 # With 2 or more GPUs the two runs go side by side, local on GPU 0 and verl on GPU 1 (PARALLEL=1, the default);
 # PARALLEL=0 runs them one after the other, verl on all GPUs. Per-step metrics: <out>/{local,verl}_seed<SEED>.jsonl
 # (each run's config beside it as .config.yaml, the SFT's metrics as sft_metrics.jsonl),
@@ -22,13 +23,14 @@ out="$1"; shift
 ckpt=""; [ $# -gt 0 ] && [ "$1" != -- ] && { ckpt="$1"; shift; }
 steps=20; [ $# -gt 0 ] && [ "$1" != -- ] && { steps="$1"; shift; }
 [ "${1:-}" = -- ] && shift
-work="${WORK:-/tmp/backend_parity_sokoban}"; seed="${SEED:-0}"
+work="${WORK:-/tmp/backend_parity_sokoban}"; seeds="${SEED:-0}"
 # 1 epoch with padded sdpa micro-batches: no compile on a fresh host (flex attention compiled for minutes there)
 sft_default="trainer.total_epochs=1 model.attn_implementation=sdpa data.packing=false data.micro_batch_size_per_gpu=8"
 sft_overrides="${SFT_OVERRIDES:-$sft_default}"
 die() { echo "error: $*" >&2; exit 2; }
 [[ "$steps" =~ ^[1-9][0-9]*$ ]] || die "STEPS must be an integer >= 1, got '$steps'"
-[[ "$seed" =~ ^[0-9]+$ ]] || die "SEED must be an integer >= 0, got '$seed'"
+[[ "$seeds" =~ ^[[:space:]]*[0-9]+([[:space:]]+[0-9]+)*[[:space:]]*$ ]] \
+    || die "SEED takes integers >= 0, several as SEED=\"0 1 2\"; got '$seeds'"
 [ -z "$ckpt" ] || [ -f "$ckpt/config.json" ] || die "'$ckpt' is not a Hugging Face model directory (no config.json)"
 [ -z "$ckpt" ] || ckpt="$(cd "$ckpt" && pwd)"
 [[ "$out" = /* ]] || out="$PWD/$out"  # paths as given, before the cd to the repository
@@ -54,8 +56,8 @@ if [ -z "$ckpt" ]; then
 fi
 echo "== PPO from $ckpt" | tee -a "$out/summary.txt"
 
-run() {  # run BACKEND GPU_LIST [overrides...]
-    local backend="$1" visible="$2" n start rc name="${1}_seed$seed"; shift 2
+run() {  # run BACKEND GPU_LIST SEED [overrides...]
+    local backend="$1" visible="$2" seed="$3" n start rc name="${1}_seed$3"; shift 3
     n="$(tr ',' '\n' <<< "$visible" | grep -c .)"
     echo "== $name on GPU $visible started $(date -u +%T)" | tee -a "$out/summary.txt"
     start=$(date +%s)
@@ -69,12 +71,14 @@ run() {  # run BACKEND GPU_LIST [overrides...]
     cp "$work/runs/_2_sokoban/$name/config.yaml" "$out/$name.config.yaml" 2>/dev/null
 }
 
-if [ "$gpus" -ge 2 ] && [ "${PARALLEL:-1}" = 1 ]; then
-    # One GPU each: Ray then restricts each verl worker to the driver's GPU (all_gpus_visible=false).
-    run local 0 "$@" &
-    run verl 1 verl_backend.all_gpus_visible=false "$@" &
-    wait
-else
-    run local 0 "$@"
-    run verl "$(seq -s, 0 $(( gpus - 1 )))" "$@"
-fi
+for seed in $seeds; do
+    if [ "$gpus" -ge 2 ] && [ "${PARALLEL:-1}" = 1 ]; then
+        # One GPU each: Ray then restricts each verl worker to the driver's GPU (all_gpus_visible=false).
+        run local 0 "$seed" "$@" &
+        run verl 1 "$seed" verl_backend.all_gpus_visible=false "$@" &
+        wait
+    else
+        run local 0 "$seed" "$@"
+        run verl "$(seq -s, 0 $(( gpus - 1 )))" "$seed" "$@"
+    fi
+done
