@@ -35,14 +35,13 @@ def _update_both(model_dir: str) -> list[dict]:
 
     from SPA_agent.trainer.local_backend import LocalBackend
 
-    shape = ["--preset", "tiny", "--trajectories", "4", "--tokens", "40",
-             *sum((["--set", s] for s in ("actor_rollout_ref.actor.use_ref=False", "ppo_mini_batch_size=2",
-                                          "critic.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_epochs=2",
-                                          "use_dynamic_bsz=False")), [])]
+    settings = ["actor_rollout_ref.actor.use_ref=False", "ppo_mini_batch_size=2", "critic.ppo_mini_batch_size=2",
+                "actor_rollout_ref.actor.ppo_epochs=2", "use_dynamic_bsz=False"]
     configs = {}
     for backend, extra in (("local", []), ("verl", ["verl_backend.rollout_name=sglang", *CPU_SETTINGS])):
-        args = train_passes.parse_args(["--model", model_dir, "--backend", backend, *shape,
-                                        *sum((["--set", s] for s in extra), [])])
+        sets = [arg for setting in settings + extra for arg in ("--set", setting)]
+        args = train_passes.parse_args(["--model", model_dir, "--backend", backend, "--preset", "tiny",
+                                        "--trajectories", "4", "--tokens", "40", *sets])
         configs[backend] = train_passes.compose_run(args, world=1, cuda=False)
     configs["verl"].trainer.balance_batch = False  # keep the batch's row order, as the local backend does
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

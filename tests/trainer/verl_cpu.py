@@ -8,9 +8,9 @@ device, before anything imports verl's workers (they read the device name at imp
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 #: FSDP2 in float32 for both verl models, as verl keys set directly: FSDP1 in bf16, the configured default, refuses
 #: to run without an accelerator
@@ -76,10 +76,7 @@ def start_cpu_rank() -> None:
     from verl.plugin.platform.platform_manager import set_platform
 
     torch.set_num_threads(1)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(get_free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                       VERL_ENGINE_DEVICE="cuda")
     set_platform(cpu_platform())
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)
