@@ -32,6 +32,7 @@ import contextlib
 import functools
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -192,6 +193,15 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(1)
 
 
+@dataclass
+class DecodeStats:
+    """What the decoder computed since it was built (benchmarks read and reset it)."""
+
+    prefill_tokens: int = 0  # prompt positions run through prefill, padding of each chunk included
+    decode_steps: int = 0  # one-token forward passes of the whole decode batch
+    capture_s: float = 0.0  # seconds spent capturing CUDA graphs
+
+
 class _DecodeState:
     """Buffers of one (B, L) shape and, on GPU, the CUDA graph of one decode step over them."""
 
@@ -275,6 +285,7 @@ class StaticDecoder:
         self.use_cuda_graphs = use_cuda_graphs and self.device.type == "cuda"
         self._state: _DecodeState | None = None
         self.last_capture_s = 0.0  # seconds the last call spent capturing CUDA graphs
+        self.stats = DecodeStats()
 
     def release(self) -> None:
         """Free the KV buffers and the CUDA graph (they are rebuilt on the next call)."""
@@ -300,6 +311,7 @@ class StaticDecoder:
             logits = self._prefill(state, prompts, lengths)
             tokens = self._decode(state, logits, lengths, params, generator)
         self.last_capture_s = state.capture_s - captured_before
+        self.stats.capture_s += self.last_capture_s
         return tokens
 
     def _state_for(self, batch: int, max_len: int) -> _DecodeState:
@@ -321,6 +333,7 @@ class StaticDecoder:
                 width = max(host_lengths[chunk])
                 state.cache.prefill_rows = chunk
                 input_ids = prompts[chunk, :width]
+                self.stats.prefill_tokens += input_ids.numel()
                 hidden = decoder(
                     input_ids=input_ids,
                     position_ids=torch.arange(width, device=self.device).expand_as(input_ids),
@@ -358,4 +371,5 @@ class StaticDecoder:
             state.input_ids.copy_(next_tokens[:, None])
             state.positions.copy_(prompt_lengths + step)
             logits = state.step()
+            self.stats.decode_steps += 1
         return tokens

@@ -1,0 +1,163 @@
+"""PPO steps of SmolLM2-135M-Instruct on Sokoban, phase by phase, on one GPU (issue 42).
+
+The real pipeline (config `_2_sokoban model=smollm2-135m`, the base prompt mode of the original's PPO, the config's
+batch of 32 groups × 8), built as `main_ppo` builds it, from --model-path (an SFT checkpoint, or `smollm2-135m` for
+the base model). Runs --steps PPO steps, then one validation of 128 puzzles × --val-samples; prints one JSON line
+per step with every phase's seconds (`timing_s/<phase>`, the trainer's own), the generator's calls, prefill tokens,
+decode steps, sampled tokens and CUDA-graph capture time, and the time inside the generator (`gen_model_s`, the
+rest of `gen` is the rollout's host work: prompts, parsing, env steps, the batch). The summary line holds the median
+of each phase over the steady steps (all but the first), their sum (`total`) and the validation's seconds.
+
+    python benchmarks/smollm2_step.py --model-path <sft checkpoint> --steps 4 --json out.json
+    python benchmarks/smollm2_step.py --model-path <dir> --profile gen    # + the kernel table of one rollout
+    python benchmarks/smollm2_step.py --smoke                             # CI size: tiny model on CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from SPA_agent.config import compose
+from SPA_agent.runs.dir_lock import DirLock
+from SPA_agent.trainer.main_ppo import build_trainer
+from SPA_agent.trainer.metrics import PhaseTimer, operator_table
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class TimedGenerator:
+    """The rollout's generator (the backend), with the seconds spent in it and the tokens it sampled."""
+
+    def __init__(self, inner):
+        self.inner, self.seconds, self.calls, self.sequences, self.sampled = inner, 0.0, 0, 0, 0
+
+    def generate(self, prompts):
+        sync()
+        start = time.perf_counter()
+        generations = self.inner.generate(prompts)
+        sync()
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
+        self.sequences += len(prompts)
+        self.sampled += sum(len(g.token_ids) for g in generations)
+        return generations
+
+    def take(self) -> dict:
+        """Counters since the last take, with the static decoder's."""
+        decoder = getattr(self.inner.generator, "_static", None)
+        stats = decoder.stats if decoder is not None else None
+        row = {"gen_model_s": round(self.seconds, 3), "gen_calls": self.calls, "gen_sequences": self.sequences,
+               "sampled_tokens": self.sampled}
+        if stats is not None:
+            row.update(prefill_tokens=stats.prefill_tokens, decode_steps=stats.decode_steps,
+                       capture_s=round(stats.capture_s, 3))
+            stats.prefill_tokens = stats.decode_steps = 0
+            stats.capture_s = 0.0
+        self.seconds, self.calls, self.sequences, self.sampled = 0.0, 0, 0, 0
+        return row
+
+
+def overrides(args, out_dir: Path) -> list[str]:
+    preset = [] if args.smoke else ["model=smollm2-135m"]
+    return [*preset, f"model_path={args.model_path}", "ctx_manager.mode=base",
+            f"trainer.total_training_steps={args.steps}", "trainer.test_freq=-1", "trainer.val_before_train=False",
+            f"trainer.default_local_dir={out_dir}", "trainer.logger=[]", f"es_manager.val.group_size={args.val_samples}", "trainer.validation_steps=1",
+            *(["trainer.device=cpu", "es_manager.train.env_groups=4", "es_manager.train.group_size=2",
+               "es_manager.train.env_configs.n_groups=[4]", "es_manager.val.env_groups=2",
+               "es_manager.val.env_configs.n_groups=[2]", "ppo_mini_batch_size=2", "agent_proxy.max_turn=2"]
+              if args.smoke else []),
+            *args.override]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-path", default="smollm2-135m", help="SFT checkpoint directory or smollm2-135m")
+    parser.add_argument("--steps", type=int, default=4, help="PPO steps (the first is not steady state)")
+    parser.add_argument("--val-samples", type=int, default=4, help="samples per validation puzzle (128 puzzles)")
+    parser.add_argument("--no-val", action="store_true", help="skip the timed validation")
+    parser.add_argument("--profile", choices=("gen",), help="after the timed steps, one more rollout under the "
+                                                           "profiler: its kernel table by GPU and by CPU time")
+    parser.add_argument("--json", type=Path, help="also write every line to this file (a JSON list)")
+    parser.add_argument("--smoke", action="store_true", help="tiny model on CPU, tiny batch (CI)")
+    parser.add_argument("override", nargs="*", help="more config overrides (KEY=VALUE), applied last")
+    args = parser.parse_args()
+    if args.steps < 2:
+        parser.error("--steps must be at least 2 (the first step is not steady state)")
+    if args.smoke:
+        args.model_path = "tiny"
+    elif not torch.cuda.is_available():
+        raise SystemExit("error: no CUDA device: run with --smoke on CPU")
+    lines: list[dict] = []
+
+    def emit(row: dict) -> None:
+        lines.append(row)
+        print(json.dumps(row), flush=True)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = compose("_2_sokoban", overrides(args, Path(tmp) / "run"))
+        lock = DirLock(Path(cfg.trainer.default_local_dir))
+        start = time.perf_counter()
+        trainer = build_trainer(cfg, lock)
+        emit({"metric": "build_s", "seconds": round(time.perf_counter() - start, 2)})
+        timed = TimedGenerator(trainer.backend)
+        trainer.proxy.generator = timed
+        steps = []
+        for step in range(1, args.steps + 1):
+            timer = PhaseTimer()
+            with timer("step"):
+                metrics = trainer.train_step(step, timer)
+            sync()
+            row = {"metric": "step", "step": step, **{k: round(v, 3) for k, v in timer.metrics().items()},
+                   **timed.take(), "train_tokens": metrics.get("perf/total_num_tokens"),
+                   "response_length_mean": metrics.get("response_length/mean"),
+                   "success": metrics.get("train/SimpleSokoban/success")}
+            steps.append(row)
+            emit(row)
+        if not args.no_val:
+            start = time.perf_counter()
+            val = trainer.validate()
+            sync()
+            emit({"metric": "validation", "episodes": 128 * args.val_samples if not args.smoke else None,
+                  "seconds": round(time.perf_counter() - start, 3), **timed.take(),
+                  "success": val.get("val-env/SimpleSokoban/success")})
+        if args.profile == "gen":
+            with operator_table("gen: by GPU time", rows=30):
+                trainer.proxy.rollout(val=False)
+            timed.take()
+        lock.release()
+    steady = steps[1:]
+    phases = sorted({k for row in steady for k in row if k.startswith("timing_s/")} - {"timing_s/step"})
+    medians = {k: round(statistics.median(row.get(k, 0.0) for row in steady), 3) for k in phases}
+    summary = {"metric": "summary", "steady_steps": len(steady), **medians,
+               "total": round(statistics.median(row["timing_s/step"] for row in steady), 3),
+               **{k: statistics.median(row[k] for row in steady) for k in ("gen_model_s", "decode_steps",
+                                                                           "sampled_tokens", "prefill_tokens")
+                  if k in steady[0]},
+               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+               "torch": torch.__version__, "commit": _commit(), "overrides": args.override}
+    emit(summary)
+    if args.json:
+        args.json.write_text(json.dumps(lines, indent=1) + "\n")
+
+
+def _commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+if __name__ == "__main__":
+    main()
