@@ -120,7 +120,7 @@ def test_report_and_plots_on_two_run_dirs(tmp_path, capsys):
     evaluate(cfg)
     write_ppo_run(tmp_path / "ppo")
     report = build_report([tmp_path / "evals" / "sokoban-random", tmp_path / "ppo"])
-    assert "| sokoban-random | SimpleSokoban | eval: tiny |" in report
+    assert "| sokoban-random | SimpleSokoban | eval: random |" in report  # named by the generator, not the unused model
     assert "| ppo | SimpleSokoban | PPO final (step 20) | 30.0 | 60.0 (pass@8)" in report
     assert "| ppo | SimpleSokoban | PPO best (step 10) | 40.0 | 80.0 (pass@8)" in report
     assert "reported, not measured here" in report and "| Qwen2.5-1.5B-Instruct | SPA | 59.8 | 69.5 |" in report
