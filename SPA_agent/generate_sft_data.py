@@ -214,8 +214,8 @@ def run_batches(cfg: DictConfig, proxy, partial: Path, resume: bool) -> list[dic
                                              dg.split_seed)
         shard = {"batch": b, "rows": rows, "trajectories": trajectories,
                  "stats": trajectory_stats(rollout.states).as_dict(), "proxy_state": proxy.state_dict()}
-        if hasattr(proxy.generator, "stats"):  # the solver's planned/fallback turn counts
-            shard["generator_stats"] = proxy.generator.stats()
+        if hasattr(proxy.generator, "card_stats"):  # the solver's planned/fallback turn counts
+            shard["generator_stats"] = proxy.generator.card_stats()
         atomic_io.write_json(partial / f"batch_{b:05d}.json", shard)
         shards.append(shard)
     return shards

@@ -139,7 +139,7 @@ class SolverGenerator:
     The text has the random generator's format. In world-model mode the `<observation>` is the env's render and
     the `<prediction>` the render after the answered moves, both computed on the copy: the expert's own states are
     the true ones (stage 1's ground-truth substitution writes the same text again). A room with no plan within
-    `max_states` gets `num_actions` random actions (seeded) instead; `stats()` counts such turns.
+    `max_states` gets `num_actions` random actions (seeded) instead; `card_stats()` counts such turns.
     """
 
     needs_env = True  # the agent proxy fills Prompt.env with a copy of the env
@@ -165,7 +165,7 @@ class SolverGenerator:
             reasoning=str(cfg.get("reasoning", DEFAULT_REASONING)),
         )
 
-    def stats(self) -> dict[str, int]:
+    def card_stats(self) -> dict[str, int]:
         """Turns answered from a plan (`solved_turns`) and from the random fallback (`fallback_turns`) since the
         last call; the counters restart."""
         counts, self._counts = self._counts, dict.fromkeys(self._counts, 0)

@@ -122,8 +122,8 @@ def test_unsolvable_room_has_no_plan_and_the_generator_falls_back_and_counts_it(
     generator = SolverGenerator(num_actions=3)
     (generation,) = generator.generate([Prompt(messages=[], prompt_ids=[], env=env)])
     assert len(re.search(r"<answer>(.*)</answer>", generation.text).group(1).split(" || ")) == 3
-    assert generator.stats() == {"solved_turns": 0, "fallback_turns": 1}
-    assert generator.stats() == {"solved_turns": 0, "fallback_turns": 0}  # counters restart
+    assert generator.card_stats() == {"solved_turns": 0, "fallback_turns": 1}
+    assert generator.card_stats() == {"solved_turns": 0, "fallback_turns": 0}  # counters restart
 
 
 def test_search_bound_counts_as_unsolved():
