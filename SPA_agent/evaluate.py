@@ -32,6 +32,7 @@ from SPA_agent.entry import (
     prepare_config,
 )
 from SPA_agent.evaluation.passk import pass_any, passk_summary
+from SPA_agent.generators import ACTION_SOURCES, check_env_types
 from SPA_agent.generators.base import FINISH_ERROR, Generation, Prompt
 from SPA_agent.rollout.turns import rendered_states, turns
 from SPA_agent.runs import atomic_io
@@ -44,8 +45,11 @@ ENV_METRICS = ("num_actions", "action_is_valid", "action_is_effective")
 
 
 def model_name(cfg: Mapping) -> str:
-    """Short name for output paths: the API model, `<run>-global_step_N` for PPO actors, else the last path part."""
-    if cfg["generator"]["name"] == "api":
+    """Short name for output paths: the API model, `<run>-global_step_N` for PPO actors, the generator's name for
+    generators that choose actions without the model (`random`, `solver`), else the last path part."""
+    if ACTION_SOURCES.get(cfg["generator"]["name"], "model") != "model":
+        name = str(cfg["generator"]["name"])
+    elif cfg["generator"]["name"] == "api":
         name = str(cfg["generator"]["model"])
     else:
         path = Path(str(cfg["model_path"]))
@@ -77,6 +81,7 @@ def prepare_eval_config(cfg: DictConfig, config_name: str | None = None) -> Dict
         val.env_configs.n_groups = [num_puzzles]
     val.env_groups, val.group_size = num_puzzles, int(ev.n)
     cfg.ctx_manager.mode = ev.prompt_mode
+    check_env_types(cfg.generator, {cfg.custom_envs[tag].env_type for tag in tags})
     with open_dict(cfg):
         cfg.model_name = model_name(cfg)
     return cfg
@@ -95,6 +100,7 @@ class ErrorTolerantGenerator:
 
     def __init__(self, generator):
         self.generator = generator
+        self.needs_env = bool(getattr(generator, "needs_env", False))  # the solver plans on a copy of the env
         self.tolerant = "allow_failures" in inspect.signature(generator.generate).parameters
         self.failed_positions: list[list[int]] = []
         self.down: str | None = None

@@ -214,6 +214,8 @@ def run_batches(cfg: DictConfig, proxy, partial: Path, resume: bool) -> list[dic
                                              dg.split_seed)
         shard = {"batch": b, "rows": rows, "trajectories": trajectories,
                  "stats": trajectory_stats(rollout.states).as_dict(), "proxy_state": proxy.state_dict()}
+        if hasattr(proxy.generator, "card_stats"):  # the solver's planned/fallback turn counts
+            shard["generator_stats"] = proxy.generator.card_stats()
         atomic_io.write_json(partial / f"batch_{b:05d}.json", shard)
         shards.append(shard)
     return shards
@@ -242,13 +244,22 @@ def write_outputs(cfg: DictConfig, out_dir: Path, shards: list[dict]) -> dict:
                               [t for shard in shards for t in shard["trajectories"]])
     atomic_io.write_text(out_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     stats = BatchStats.merge(BatchStats.from_dict(shard["stats"]) for shard in shards)
-    card = stats.card(cfg, num_rows_before_format_filter=num_rows_before_filter, num_train=len(train),
+    card = stats.card(cfg, generator_stats=merged_generator_stats(shards),
+                      num_rows_before_format_filter=num_rows_before_filter, num_train=len(train),
                       num_val=len(val),
                       num_train_trajectories=len({r["trajectory_id"] for r in train}),
                       num_val_trajectories=len({r["trajectory_id"] for r in val}))
     atomic_io.write_text(out_dir / "data_card.md", render_data_card(card))
     atomic_io.write_json(out_dir / CARD_FILE, card)
     return card
+
+
+def merged_generator_stats(shards: list[dict]) -> dict[str, int] | None:
+    """The generator's counts summed over the batches, or None for generators that keep none."""
+    parts = [shard["generator_stats"] for shard in shards if "generator_stats" in shard]
+    if not parts:
+        return None
+    return {key: sum(part.get(key, 0) for part in parts) for key in sorted({k for part in parts for k in part})}
 
 
 def publish(staging: Path, out_dir: Path) -> None:
@@ -311,8 +322,12 @@ def prepare_data_gen_config(cfg: DictConfig, config_name: str | None = None) -> 
 
 def check_data_gen_settings(cfg: DictConfig) -> None:
     """Every `data_gen` value the stage reads after its batches, checked before the first one: a typo found at
-    the end would cost the whole generation and leave `.partial/` under settings the fixed rerun cannot use."""
+    the end would cost the whole generation and leave `.partial/` under settings the fixed rerun cannot use. Also
+    that the generator can play the training envs (`generator=solver`: Sokoban only)."""
+    from SPA_agent.generators import check_env_types
+
     dg = cfg.data_gen
+    check_env_types(cfg.generator, {cfg.custom_envs[tag].env_type for tag in cfg.es_manager.train.env_configs.tags})
     check_number(cfg, "data_gen.num_batches", 1, integer=True)
     check_number(cfg, "data_gen.val_fraction", 0, 1, high_open=True)
     check_number(cfg, "data_gen.split_seed", 0, integer=True)

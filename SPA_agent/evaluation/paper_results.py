@@ -91,6 +91,7 @@ NO_NUMBERS = (
     "§4.3 Fig. 8: SFT without format filtering",
     "Beyond the paper: SPA with GRPO advantages",
     "Beyond the paper: SPA with bi-level GAE",
+    "Beyond the paper: SPA on shortest-path solver data",
 )
 PAPER_ROWS = (*MAIN_ROWS, *ABLATION_ROWS, *NO_NUMBERS)
 

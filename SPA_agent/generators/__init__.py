@@ -1,4 +1,5 @@
-"""Text generators behind one interface (docs/interfaces.md "Generators"): `hf`, `vllm`, `api`, `random`.
+"""Text generators behind one interface (docs/interfaces.md "Generators"): `hf`, `vllm`, `api`, `random`,
+`solver`.
 
 `build_generator(cfg.generator, cfg.model_path, tokenizer)` picks the backend named by `cfg.name`; backends
 with optional packages (vllm, openai) import them only when chosen.
@@ -6,7 +7,7 @@ with optional packages (vllm, openai) import them only when chosen.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from SPA_agent.generators.base import (
@@ -44,12 +45,23 @@ def _build_random(cfg, model_path, tokenizer, model):
     return RandomGenerator.from_config(cfg)
 
 
+def _build_solver(cfg, model_path, tokenizer, model):
+    from SPA_agent.generators.solver import SolverGenerator
+
+    return SolverGenerator.from_config(cfg)
+
+
 BUILDERS: dict[str, Callable[..., Generator]] = {
     "hf": _build_hf,
     "vllm": _build_vllm,
     "api": _build_api,
     "random": _build_random,
+    "solver": _build_solver,
 }
+#: what chooses the actions of a generator's data (the data card's `action_source`)
+ACTION_SOURCES = {"hf": "model", "vllm": "model", "api": "model", "random": "random", "solver": "solver"}
+#: env types a generator can play, for the generators that cannot play every env
+ENV_TYPES = {"solver": ("sokoban",)}
 
 
 def build_generator(cfg: Mapping[str, Any], model_path: str, tokenizer, model=None) -> Generator:
@@ -64,6 +76,17 @@ def build_generator(cfg: Mapping[str, Any], model_path: str, tokenizer, model=No
     return BUILDERS[name](cfg, model_path, tokenizer, model)
 
 
+def check_env_types(cfg: Mapping[str, Any], env_types: Iterable[str]) -> None:
+    """Raise ValueError when the generator named by `cfg.name` cannot play one of `env_types` (checked before
+    any work: `generator=solver` plays Sokoban only)."""
+    name = cfg.get("name")
+    playable = ENV_TYPES.get(name)
+    unplayable = sorted(set(env_types) - set(playable)) if playable is not None else []
+    if unplayable:
+        raise ValueError(f"generator={name} cannot play env type(s) {unplayable}: it plays {list(playable)} only "
+                         "(docs/generators.md)")
+
+
 __all__ = [
     "FINISH_ERROR",
     "FINISH_LENGTH",
@@ -73,4 +96,5 @@ __all__ = [
     "Prompt",
     "SamplingParams",
     "build_generator",
+    "check_env_types",
 ]

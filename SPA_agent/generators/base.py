@@ -1,8 +1,10 @@
 """The generator protocol: batched chat prompts in; text, sampled token ids and finish reason out (spec
 §7.2–§7.4).
 
-Every backend (`hf`, `vllm`, `api`, `random`) implements `Generator.generate`. Generators know nothing of
-environments: a `Prompt` carries everything they need, already rendered by the context manager.
+Every backend (`hf`, `vllm`, `api`, `random`, `solver`) implements `Generator.generate`. Text generators know
+nothing of environments: a `Prompt` carries everything they need, already rendered by the context manager. The
+one exception is an expert that plans on the true state (`solver`): it declares `needs_env = True`, and only then
+does the agent proxy put a copy of the env into `Prompt.env`.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ class Prompt:
 
     `prompt_ids` is `messages` rendered with the chat template, the generation prompt and `response_prefix`
     included; local models continue from it. Remote models receive `messages` (they cannot be forced to open
-    their turn with `response_prefix`).
+    their turn with `response_prefix`). `env` is a copy of the env at this turn, set only for generators that
+    declare `needs_env = True` (experts that plan on the true state); a model never sees it.
     """
 
     messages: list[dict]
@@ -38,6 +41,7 @@ class Prompt:
     response_prefix: str = "<think>"
     action_space: list[str] = field(default_factory=list)
     worldmodel: bool = False
+    env: Any = None
 
 
 @dataclass

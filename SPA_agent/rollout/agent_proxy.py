@@ -74,10 +74,14 @@ class LLMAgentProxy:
         return Rollout(batch=batch, states=states)
 
     def _prompts(self, es: EnvStateManager, caches: list[dict]) -> list[Prompt]:
+        """One prompt per active env; a copy of the env goes with it only to generators that declare
+        `needs_env = True` (the solver), so a model generator never sees the true state."""
         worldmodel = self.ctx.mode == "add_worldmodel"
+        needs_env = bool(getattr(self.generator, "needs_env", False))
         return [
             Prompt(messages=messages, prompt_ids=ids, response_prefix=self.ctx.prefix,
-                   action_space=es.action_space(cache["env_id"]), worldmodel=worldmodel)
+                   action_space=es.action_space(cache["env_id"]), worldmodel=worldmodel,
+                   env=es.env_snapshot(cache["env_id"]) if needs_env else None)
             for cache, (messages, ids) in zip(caches, self.ctx.get_lm_inputs(caches))
         ]
 

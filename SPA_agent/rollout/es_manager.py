@@ -142,6 +142,10 @@ class EnvStateManager:
     def action_space(self, env_id: int) -> list[str]:
         return list(self.entries[env_id].env.get_all_actions())
 
+    def env_snapshot(self, env_id: int) -> Any:
+        """A copy of env `env_id` in its current state (for expert generators: stepping it changes nothing here)."""
+        return copy.deepcopy(self.entries[env_id].env)
+
     def step(self, env_inputs: list[EnvInput]) -> list[dict]:
         """Execute each env's parsed actions (spec §5.4); returns the cache entries still active."""
         for env_input in env_inputs:

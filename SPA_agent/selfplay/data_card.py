@@ -11,6 +11,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from SPA_agent.generators import ACTION_SOURCES
 from SPA_agent.rollout.turns import transitions
 from SPA_agent.runs.dir_lock import check_unlocked
 from SPA_agent.worldmodel import ACCURACY_KEYS, extract_states, has_worldmodel_format, turn_accuracy
@@ -92,12 +93,15 @@ class BatchStats:
                 self.accuracy_sums[key] = self.accuracy_sums.get(key, 0.0) + value
                 self.accuracy_counts[key] = self.accuracy_counts.get(key, 0) + 1
 
-    def card(self, cfg: DictConfig, **counts: int) -> dict[str, Any]:
-        """The data card as a JSON-ready dict; `counts` are the split sizes (rows and trajectories)."""
+    def card(self, cfg: DictConfig, generator_stats: Mapping[str, int] | None = None,
+             **counts: int) -> dict[str, Any]:
+        """The data card as a JSON-ready dict; `counts` are the split sizes (rows and trajectories) and
+        `generator_stats` the generator's own counts (the solver's planned and fallback turns), when it keeps any."""
         return {
             "stage": "self-play SFT data (spec §8)",
             "config_name": cfg.config_name,
             "generator": cfg.generator.name,
+            "action_source": ACTION_SOURCES.get(cfg.generator.name, "model"),
             "model_path": str(cfg.model_path),
             "model_size": str(cfg.get("model_size", "")),
             "render_mode": cfg.render_mode,
@@ -118,6 +122,7 @@ class BatchStats:
             "num_rows_passing_format_filter": self.turns_filter_pass,
             "num_rows_without_state_tags": self.turns - self.turns_with_states,
             "success_rate": _rate(self.successes, self.trajectories),
+            **({"generator_stats": dict(generator_stats)} if generator_stats is not None else {}),
             "worldmodel_format_rate": _rate(self.turns_worldmodel_format, self.turns),
             "self_belief_accuracy": {
                 key: _rate(self.accuracy_sums.get(key, 0.0), self.accuracy_counts.get(key, 0))
@@ -157,7 +162,10 @@ def render_data_card(card: Mapping[str, Any]) -> str:
         elif isinstance(value, list):
             value = ", ".join(map(str, value))
         lines.append(f"| {key} | {_fmt(value)} |")
-    lines += ["", ("`self_belief_accuracy`: the model's own <observation>/<prediction> contents against the true "
+    lines += ["", ("`action_source`: what chose the actions: `model` (the model's own answers), `random` (uniform "
+                   "random actions, the floor) or `solver` (a shortest-path solver on the true state, the expert "
+                   "ceiling)."),
+              ("`self_belief_accuracy`: the model's own <observation>/<prediction> contents against the true "
                    "states, before substitution (exact match, per-cell, coordinate sentence), over turns that had the "
                    "block."),
               ("`state_targets`: what the model's <observation>/<prediction> blocks hold: `ground_truth` (the environment's "

@@ -53,6 +53,15 @@ def test_worldmodel_mode_reports_state_accuracy(tmp_path):
     assert m["worldmodel/observation_exact"] == 0.0 and "worldmodel/prediction_cell" in m
 
 
+def test_solver_solves_every_validation_puzzle_under_both_prompt_modes(tmp_path):
+    """The expert reference of issue 43 (4 of the 128 puzzles here; all 128 in tests/generators)."""
+    for mode in ("base", "add_worldmodel"):
+        cfg = eval_config(tmp_path / mode, "generator=solver", f"++evaluation.prompt_mode={mode}")
+        assert cfg.model_name == "solver"
+        m = evaluate(cfg)["metrics"]["SimpleSokoban"]
+        assert m["success"] == 1.0 and m["action_is_valid"] == 1.0
+
+
 class FlakyGenerator:
     """A generator whose requests fail for the first prompt of every call (as an API under load would), and
     which raises outright on a chosen call — exercising the evaluator's partial-result path."""
@@ -106,6 +115,8 @@ def test_model_names():
     assert model_name({**base, "model_path": "Qwen/Qwen2.5-1.5B-Instruct"}) == "Qwen2.5-1.5B-Instruct"
     assert model_name({**base, "model_path": "ckpt/sokoban-main/global_step_200/actor"}) == "sokoban-main-global_step_200"
     assert model_name({"generator": {"name": "api", "model": "gpt-4o/mini"}, "model_path": "x"}) == "gpt-4o_mini"
+    for name in ("random", "solver"):  # they choose actions without the model: named by the generator
+        assert model_name({"generator": {"name": name}, "model_path": "tiny"}) == name
 
 
 def write_ppo_run(run_dir):
@@ -120,7 +131,7 @@ def test_report_and_plots_on_two_run_dirs(tmp_path, capsys):
     evaluate(cfg)
     write_ppo_run(tmp_path / "ppo")
     report = build_report([tmp_path / "evals" / "sokoban-random", tmp_path / "ppo"])
-    assert "| sokoban-random | SimpleSokoban | eval: tiny |" in report
+    assert "| sokoban-random | SimpleSokoban | eval: random |" in report  # named by the generator, not the unused model
     assert "| ppo | SimpleSokoban | PPO final (step 20) | 30.0 | 60.0 (pass@8)" in report
     assert "| ppo | SimpleSokoban | PPO best (step 10) | 40.0 | 80.0 (pass@8)" in report
     assert "reported, not measured here" in report and "| Qwen2.5-1.5B-Instruct | SPA | 59.8 | 69.5 |" in report
