@@ -19,20 +19,22 @@ from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
 
-import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from SPA_agent.config import CONFIG_DIR
 from SPA_agent.entry import (
     apply_system_env,
+    check_choice,
     check_number,
     exit_on_interrupt,
     exit_on_user_error,
+    hydra_entry,
     load_tokenizer,
     prepare_config,
 )
 from SPA_agent.evaluation.passk import pass_any, passk_summary
 from SPA_agent.generators.base import FINISH_ERROR, Generation, Prompt
+from SPA_agent.rollout.parsing import MODES as PROMPT_MODES
 from SPA_agent.rollout.turns import rendered_states, turns
 from SPA_agent.runs import atomic_io
 from SPA_agent.runs.dir_lock import DirLock, check_unlocked, check_writable
@@ -76,6 +78,7 @@ def prepare_eval_config(cfg: DictConfig, config_name: str | None = None) -> Dict
             raise ValueError("evaluation.num_puzzles with several val tags: set es_manager.val.env_configs.n_groups")
         val.env_configs.n_groups = [num_puzzles]
     val.env_groups, val.group_size = num_puzzles, int(ev.n)
+    check_choice(cfg, "evaluation.prompt_mode", PROMPT_MODES)
     cfg.ctx_manager.mode = ev.prompt_mode
     with open_dict(cfg):
         cfg.model_name = model_name(cfg)
@@ -240,7 +243,7 @@ def format_result(result: Mapping) -> str:
     return "\n".join(lines)
 
 
-@hydra.main(config_path=str(CONFIG_DIR), version_base="1.3")
+@hydra_entry(CONFIG_DIR)
 def main(cfg: DictConfig) -> None:
     quiet_library_progress()
     with exit_on_user_error():

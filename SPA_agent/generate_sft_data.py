@@ -20,7 +20,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import hydra
 import numpy as np
 import pyarrow as pa
 from omegaconf import DictConfig, OmegaConf
@@ -28,12 +27,15 @@ from omegaconf import DictConfig, OmegaConf
 from SPA_agent.config import CONFIG_DIR
 from SPA_agent.entry import (
     apply_system_env,
+    check_choice,
     check_number,
     exit_on_interrupt,
     exit_on_user_error,
+    hydra_entry,
     load_tokenizer,
     prepare_config,
 )
+from SPA_agent.rollout.parsing import MODES as PROMPT_MODES
 from SPA_agent.rollout.turns import rendered_states, turns
 from SPA_agent.runs import atomic_io, run_identity
 from SPA_agent.runs.dir_lock import DirLock, check_unlocked, check_writable
@@ -304,6 +306,7 @@ def generate(cfg: DictConfig) -> dict:
 def prepare_data_gen_config(cfg: DictConfig, config_name: str | None = None) -> DictConfig:
     """Entry config + the `data_gen` block (config/data_gen.yaml under any overrides), prompt mode forced."""
     cfg = prepare_config(cfg, "data_gen", config_name)
+    check_choice(cfg, "data_gen.prompt_mode", PROMPT_MODES)
     cfg.ctx_manager.mode = cfg.data_gen.prompt_mode
     check_data_gen_settings(cfg)
     return cfg
@@ -325,7 +328,7 @@ def check_data_gen_settings(cfg: DictConfig) -> None:
             raise ValueError(f"data_gen.{key} must be true or false, got {dg[key]!r}")
 
 
-@hydra.main(config_path=str(CONFIG_DIR), version_base="1.3")
+@hydra_entry(CONFIG_DIR)
 def main(cfg: DictConfig) -> None:
     quiet_library_progress()
     with exit_on_user_error():

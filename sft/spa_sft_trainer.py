@@ -19,7 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-import hydra
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -47,6 +46,7 @@ from sft.packing import (
     token_loss_sum,
 )
 from sft.spa_sft_dataset import SpaSftDataset
+from SPA_agent.entry import hydra_entry
 from SPA_agent.runs import atomic_io, checkpoint_dirs, run_identity
 from SPA_agent.runs.compile_cache import use_persistent_compile_cache
 from SPA_agent.runs.dir_lock import DirLock, check_unlocked, check_writable
@@ -435,7 +435,7 @@ class SftTrainer:
             dist.destroy_process_group()
 
 
-@hydra.main(config_path="config", config_name="sft_trainer", version_base="1.3")
+@hydra_entry(Path(__file__).resolve().parent / "config", config_name="sft_trainer")
 def main(cfg: DictConfig) -> None:
     """Entry point: reads torchrun's RANK/WORLD_SIZE/LOCAL_RANK; user errors exit with status 2."""
     die_with_launcher()
