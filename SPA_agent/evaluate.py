@@ -13,6 +13,7 @@ failed (an endpoint that is down or unreachable), the evaluation stops there and
 from __future__ import annotations
 
 import inspect
+import json
 import re
 import sys
 from collections import defaultdict
@@ -207,6 +208,24 @@ def run_repeats(cfg: DictConfig, proxy, generator: ErrorTolerantGenerator) -> tu
     return records, states, error
 
 
+def check_replaceable(out_dir: Path, cfg: DictConfig) -> None:
+    """Refuse, before any model is loaded, to replace the evaluation of another model in `out_dir` (its eval.json
+    names another model_path or model name) unless `evaluation.overwrite`; a rerun for the same model, or over a
+    damaged eval.json, replaces it."""
+    path = out_dir / "eval.json"
+    if cfg.evaluation.overwrite or not path.is_file():
+        return
+    try:
+        previous = json.loads(path.read_text(encoding="utf-8"))
+        model_path = previous.get("model_path") or previous["config"]["model_path"]
+        name = previous.get("model_name") or previous["config"].get("model_name", model_name(previous["config"]))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return
+    if (str(model_path), name) != (str(cfg.model_path), cfg.model_name):
+        raise ValueError(f"{out_dir} holds the evaluation of another model ({name}: {model_path}); pass "
+                         "evaluation.overwrite=true to replace it, or choose another evaluation.output_dir")
+
+
 def evaluate(cfg: DictConfig, generator=None) -> dict:
     """Run the evaluation for a prepared config (`prepare_eval_config`) and write its outputs. `generator`
     (optional) is an already-built generator, e.g. the PPO actor's; otherwise `cfg.generator` is built."""
@@ -217,6 +236,7 @@ def evaluate(cfg: DictConfig, generator=None) -> dict:
     ev, out_dir = cfg.evaluation, Path(cfg.evaluation.output_dir)
     check_writable(out_dir)
     check_unlocked(out_dir)
+    check_replaceable(out_dir, cfg)
     tokenizer = load_tokenizer(cfg.model_path)
     generator = ErrorTolerantGenerator(generator or build_generator(cfg.generator, cfg.model_path, tokenizer))
     proxy = LLMAgentProxy(cfg, generator, tokenizer, mode=ev.prompt_mode, progress=True)

@@ -12,7 +12,6 @@ wm_train/wm_val by trajectory, with a data card that records the model's own ("s
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -195,7 +194,8 @@ def load_shards(partial: Path, num_batches: int) -> list[dict]:
         path = partial / f"batch_{b:05d}.json"
         if not path.is_file():
             break
-        shards.append(json.loads(path.read_text(encoding="utf-8")))
+        shards.append(atomic_io.read_json(path, "delete it to play that batch again, or pass data_gen.resume=false "
+                                                "to start over"))
     return shards
 
 
@@ -288,7 +288,7 @@ def generate(cfg: DictConfig) -> dict:
         if state == "complete":
             print(f"{out_dir} already holds this dataset (same settings and model); data_gen.resume=false "
                   "generates it again")
-            return json.loads((out_dir / CARD_FILE).read_text(encoding="utf-8"))
+            return atomic_io.read_json(out_dir / CARD_FILE, f"generate it again: {FRESH_HINT}")
         partial = out_dir / PARTIAL_DIR
         if state == "fresh":
             shutil.rmtree(partial, ignore_errors=True)

@@ -71,14 +71,15 @@ def test_sft_trains_without_validation_on_data_made_with_val_fraction_0(tmp_path
     data = tmp_path / "data"
     generate(prepare_data_gen_config(compose("_2_sokoban", [
         "model=tiny", "generator=random", "data_gen.num_batches=1", "data_gen.val_fraction=0",
-        "agent_proxy.max_turn=1", "actor_rollout_ref.rollout.response_length=8", f"data_gen.output_dir={data}"])))
+        "agent_proxy.max_turn=1", "actor_rollout_ref.rollout.response_length=8", f"data_gen.output_dir={data}"]), "_2_sokoban"))
     card = json.loads((data / "data_card.json").read_text())
     assert card["num_val"] == 0 and card["num_train"] > 0
     capsys.readouterr()
     out = tmp_path / "sft"
     run(sft_compose(sft_overrides(data, out, "data.max_length=256", "data.max_tokens_per_micro_batch=1024")))
     printed = capsys.readouterr().out
-    assert f"sft data val: {data}/wm_val.parquet has no rows (data_gen.val_fraction=0): no validation" in printed
+    assert (f"sft data val: {data}/wm_val.parquet has no rows (made with data_gen.val_fraction=0?): no validation "
+            "loss\n") in printed
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1] and "val/loss" not in records[0]
     assert (out / "global_step_1" / "model.safetensors").is_file()
@@ -223,10 +224,13 @@ def test_ctrl_c_in_an_sft_rank_is_one_line_and_status_130(monkeypatch, capsys, t
 
     monkeypatch.setattr(module.SftTrainer, "train", interrupt)
     assert run_entry(monkeypatch, module, sft_overrides(data, out)) == EXIT_INTERRUPTED
-    assert capsys.readouterr().err == (
-        f"interrupted: no checkpoint was saved yet in {out}; the same command with trainer.resume=auto (RESUME=1 in "
-        "finetune_ft.sh) continues from the latest\n")
+    assert capsys.readouterr().err == f"interrupted: no checkpoint was saved yet in {out}; run the same command again\n"
     assert not (out / ".lock").exists()  # the lock is released
+    (out / "global_step_2").mkdir()
+    assert run_entry(monkeypatch, module, sft_overrides(data, out)) == EXIT_INTERRUPTED
+    assert capsys.readouterr().err == (
+        f"interrupted: the checkpoints saved so far are in {out} (latest global_step_2); the same command with "
+        "trainer.resume=auto (RESUME=1 in finetune_ft.sh) continues from the latest\n")
 
 
 def test_the_sft_launcher_ends_quietly_with_the_signal_status(monkeypatch, capsys):
@@ -264,7 +268,7 @@ def test_ctrl_c_in_a_terminal_running_finetune_ft_sh(tmp_path):
     interrupted = [line for line in output.splitlines() if line.startswith("interrupted:")]
     assert process.returncode == EXIT_INTERRUPTED, output[-3000:]
     assert len(interrupted) == 1 and "continues from the latest" in interrupted[0], output[-3000:]
-    assert "Traceback" not in output and "KeyboardInterrupt" not in output
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output and "death signal" not in output
     assert interrupted[0] in (out / "train.log").read_text()
 
 
@@ -335,17 +339,19 @@ def test_a_long_sft_step_prints_heartbeat_lines_when_redirected(monkeypatch, cap
 def test_the_heartbeat_thread_is_quiet_after_a_line_and_on_a_terminal(monkeypatch, capsys):
     from SPA_agent.runs import progress
 
-    with progress.BackgroundHeartbeat(lambda: "working", interval_s=0.05):
+    with progress.BackgroundHeartbeat("working", interval_s=0.05):
         time.sleep(0.17)
     beats = capsys.readouterr().err.splitlines()
-    assert 2 <= len(beats) <= 4 and all(b.startswith("working (") for b in beats)
-    with progress.BackgroundHeartbeat(lambda: "working", interval_s=0.2) as heartbeat:
+    assert 2 <= len(beats) <= 4 and set(beats) == {"working (0 s)"}
+    with progress.BackgroundHeartbeat("working", interval_s=0.2) as heartbeat:
         for _ in range(4):
             time.sleep(0.1)
             heartbeat.mark()  # the loop printed its own line
     assert capsys.readouterr().err == ""
+    with progress.BackgroundHeartbeat("working", interval_s=0.05, disable=True):
+        time.sleep(0.12)
     monkeypatch.setattr(progress, "is_terminal", lambda stream=None: True)
-    with progress.BackgroundHeartbeat(lambda: "working", interval_s=0.05):
+    with progress.BackgroundHeartbeat("working", interval_s=0.05):
         time.sleep(0.12)
     assert capsys.readouterr().err == ""
 
