@@ -67,10 +67,15 @@ def composition_error(err: Exception, config_dir: Path, config_name: str, overri
         typed = next((o for o in overrides if o.split("=", 1)[0] == key), key)
         known = config_keys(config_dir, config_name, overrides)
         return f"unknown key {key!r} in {typed}{close_matches(key, known)}; +{typed} adds a new key"
-    message = getattr(err, "message", None) or str(err)
+    first = _first_line(getattr(err, "message", None) or str(err)) or type(err).__name__
     override = getattr(err, "override", None)
-    first = message.strip().splitlines()[0] if message.strip() else type(err).__name__
-    return f"cannot read the override {override!r}: {first}" if override else first
+    if override:
+        return f"cannot read the override {override!r}: {first}"
+    return f"{first} {_first_line(str(cause))}" if cause is not None and _first_line(str(cause)) else first
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else ""
 
 
 def entry_configs(config_dir: Path) -> list[str]:
