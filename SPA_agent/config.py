@@ -1,6 +1,6 @@
 """Loading the Hydra configs under `config/` outside a `@hydra.main` entry point (tests, notebooks, scripts), and
 Hydra's composition errors as one line with the close matches (every entry point checks its command line with
-`check_composes` before `@hydra.main` runs)."""
+`SPA_agent.entry.hydra_entry` before Hydra runs)."""
 
 from __future__ import annotations
 
