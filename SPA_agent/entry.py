@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from SPA_agent.config import CONFIG_DIR
+from SPA_agent.config import CONFIG_DIR, compose_in
+from SPA_agent.envs.base import RENDER_MODES
 from SPA_agent.generators.base import GenerationError, MissingExtraError
+from SPA_agent.rollout.es_manager import check_env_groups
 
 EXIT_USAGE = 2  # user mistakes: bad config value, missing file, a directory that is not a model
 EXIT_INTERRUPTED = 130  # Ctrl-C, as the shell reports a process stopped by SIGINT (128 + 2)
@@ -41,6 +44,47 @@ def exit_on_interrupt(resume_hint: str) -> Iterator[None]:
         sys.exit(EXIT_INTERRUPTED)
 
 
+def hydra_entry(config_dir: Path, config_name: str | None = None) -> Callable:
+    """`@hydra.main(config_path=config_dir, config_name=config_name)` that composes the command line once before
+    Hydra does: an unknown config name, config-group option or key is one line with the close matches and exit
+    status 2 (`SPA_agent.config.composition_error`), not Hydra's report of 7 to 26 lines."""
+    import hydra
+
+    def decorator(task: Callable[[DictConfig], None]) -> Callable[[], None]:
+        hydra_main = hydra.main(config_path=str(config_dir), config_name=config_name, version_base="1.3")(task)
+
+        @functools.wraps(task)
+        def main(*passthrough) -> None:
+            if not passthrough:
+                with exit_on_user_error():
+                    check_command_line(config_dir, config_name, sys.argv[1:])
+            hydra_main(*passthrough)
+
+        return main
+
+    return decorator
+
+
+def check_command_line(config_dir: Path, config_name: str | None, argv: Sequence[str]) -> None:
+    """Compose what `argv` (Hydra's command line) asks for; ValueError in one line if it cannot be. Help, multirun
+    sweeps and other config directories are left to Hydra."""
+    from hydra._internal.utils import get_args_parser
+
+    args = get_args_parser().parse_args(list(argv))
+    name = args.config_name or config_name
+    if name is None or args.help or args.hydra_help or args.shell_completion or args.multirun or args.info \
+            or args.config_path or args.config_dir or args.experimental_rerun:
+        return
+    compose_in(config_dir, name, args.overrides, return_hydra_config=True)
+
+
+def check_choice(cfg: DictConfig, key: str, choices: Sequence[str]) -> None:
+    """Raise ValueError naming `key` unless its value is one of `choices` (listed in the message)."""
+    value = OmegaConf.select(cfg, key)
+    if value not in choices:
+        raise ValueError(f"{key} must be one of {tuple(choices)}, got {value!r}")
+
+
 def check_number(cfg: DictConfig, key: str, low: float, high: float | None = None, integer: bool = False,
                  high_open: bool = False) -> None:
     """Raise ValueError naming `key` unless its value is a number (an int when `integer`) in [low, high] (or
@@ -56,9 +100,19 @@ def check_number(cfg: DictConfig, key: str, low: float, high: float | None = Non
 
 
 def check_rollout_settings(cfg: DictConfig) -> None:
-    """Settings every stage that plays the envs needs (data generation, evaluation, PPO)."""
+    """Settings every stage that plays the envs needs (data generation, evaluation, PPO), checked before any model
+    is loaded: lengths, the env groups and tags of both splits, and the render mode (which picks the instructions'
+    texts, so a wrong one would otherwise surface as an interpolation error)."""
     check_number(cfg, "actor_rollout_ref.rollout.response_length", 1, integer=True)
     check_number(cfg, "agent_proxy.max_turn", 1, integer=True)
+    for split in ("train", "val"):
+        check_env_groups(cfg, split)
+    check_choice(cfg, "render_mode", RENDER_MODES)
+    tags = {tag for split in ("train", "val") for tag in cfg.es_manager[split].env_configs.tags}
+    for tag in sorted(tags):
+        key = f"custom_envs.{tag}.env_config.render_mode"
+        if OmegaConf.select(cfg, key) is not None:
+            check_choice(cfg, key, RENDER_MODES)
 
 
 def current_config_name() -> str | None:

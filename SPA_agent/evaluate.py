@@ -13,27 +13,30 @@ failed (an endpoint that is down or unreachable), the evaluation stops there and
 from __future__ import annotations
 
 import inspect
+import json
 import re
 import sys
 from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
 
-import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from SPA_agent.config import CONFIG_DIR
 from SPA_agent.entry import (
     apply_system_env,
+    check_choice,
     check_number,
     exit_on_interrupt,
     exit_on_user_error,
+    hydra_entry,
     load_tokenizer,
     prepare_config,
 )
 from SPA_agent.evaluation.passk import pass_any, passk_summary
 from SPA_agent.generators import ACTION_SOURCES, check_env_types
 from SPA_agent.generators.base import FINISH_ERROR, Generation, Prompt
+from SPA_agent.rollout.parsing import MODES as PROMPT_MODES
 from SPA_agent.rollout.turns import rendered_states, turns
 from SPA_agent.runs import atomic_io
 from SPA_agent.runs.dir_lock import DirLock, check_unlocked, check_writable
@@ -80,6 +83,7 @@ def prepare_eval_config(cfg: DictConfig, config_name: str | None = None) -> Dict
             raise ValueError("evaluation.num_puzzles with several val tags: set es_manager.val.env_configs.n_groups")
         val.env_configs.n_groups = [num_puzzles]
     val.env_groups, val.group_size = num_puzzles, int(ev.n)
+    check_choice(cfg, "evaluation.prompt_mode", PROMPT_MODES)
     cfg.ctx_manager.mode = ev.prompt_mode
     check_env_types(cfg.generator, {cfg.custom_envs[tag].env_type for tag in tags})
     with open_dict(cfg):
@@ -210,6 +214,24 @@ def run_repeats(cfg: DictConfig, proxy, generator: ErrorTolerantGenerator) -> tu
     return records, states, error
 
 
+def check_replaceable(out_dir: Path, cfg: DictConfig) -> None:
+    """Refuse, before any model is loaded, to replace the evaluation of another model in `out_dir` (its eval.json
+    names another model_path or model name) unless `evaluation.overwrite`; a rerun for the same model, or over a
+    damaged eval.json, replaces it."""
+    path = out_dir / "eval.json"
+    if cfg.evaluation.overwrite or not path.is_file():
+        return
+    try:
+        previous = json.loads(path.read_text(encoding="utf-8"))
+        model_path = previous.get("model_path") or previous["config"]["model_path"]
+        name = previous.get("model_name") or previous["config"].get("model_name", model_name(previous["config"]))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return
+    if (str(model_path), name) != (str(cfg.model_path), cfg.model_name):
+        raise ValueError(f"{out_dir} holds the evaluation of another model ({name}: {model_path}); pass "
+                         "evaluation.overwrite=true to replace it, or choose another evaluation.output_dir")
+
+
 def evaluate(cfg: DictConfig, generator=None) -> dict:
     """Run the evaluation for a prepared config (`prepare_eval_config`) and write its outputs. `generator`
     (optional) is an already-built generator, e.g. the PPO actor's; otherwise `cfg.generator` is built."""
@@ -220,6 +242,7 @@ def evaluate(cfg: DictConfig, generator=None) -> dict:
     ev, out_dir = cfg.evaluation, Path(cfg.evaluation.output_dir)
     check_writable(out_dir)
     check_unlocked(out_dir)
+    check_replaceable(out_dir, cfg)
     tokenizer = load_tokenizer(cfg.model_path)
     generator = ErrorTolerantGenerator(generator or build_generator(cfg.generator, cfg.model_path, tokenizer))
     proxy = LLMAgentProxy(cfg, generator, tokenizer, mode=ev.prompt_mode, progress=True)
@@ -246,7 +269,7 @@ def format_result(result: Mapping) -> str:
     return "\n".join(lines)
 
 
-@hydra.main(config_path=str(CONFIG_DIR), version_base="1.3")
+@hydra_entry(CONFIG_DIR)
 def main(cfg: DictConfig) -> None:
     quiet_library_progress()
     with exit_on_user_error():

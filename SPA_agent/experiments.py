@@ -24,7 +24,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from SPA_agent.config import CONFIG_DIR, compose
+from SPA_agent.config import CONFIG_DIR, close_matches, compose
 from SPA_agent.entry import EXIT_USAGE, USER_ERRORS
 
 EXPERIMENT_DIR = CONFIG_DIR / "experiment"
@@ -71,7 +71,8 @@ def load(name: str) -> Experiment:
     """The metadata of experiment `name` (read from its file, no composition)."""
     path = EXPERIMENT_DIR / f"{name}.yaml"
     if not path.is_file():
-        raise ValueError(f"unknown experiment {name!r}; choose one of {names()} (python -m SPA_agent.experiments list)")
+        raise ValueError(f"unknown experiment {name!r}{close_matches(name, names())}; choose one of "
+                         f"{', '.join(names())} (python -m SPA_agent.experiments list)")
     info = OmegaConf.to_container(OmegaConf.load(path).experiment_info)
     return Experiment(**info)
 

@@ -12,7 +12,6 @@ wm_train/wm_val by trajectory, with a data card that records the model's own ("s
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -20,7 +19,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import hydra
 import numpy as np
 import pyarrow as pa
 from omegaconf import DictConfig, OmegaConf
@@ -28,12 +26,15 @@ from omegaconf import DictConfig, OmegaConf
 from SPA_agent.config import CONFIG_DIR
 from SPA_agent.entry import (
     apply_system_env,
+    check_choice,
     check_number,
     exit_on_interrupt,
     exit_on_user_error,
+    hydra_entry,
     load_tokenizer,
     prepare_config,
 )
+from SPA_agent.rollout.parsing import MODES as PROMPT_MODES
 from SPA_agent.rollout.turns import rendered_states, turns
 from SPA_agent.runs import atomic_io, run_identity
 from SPA_agent.runs.dir_lock import DirLock, check_unlocked, check_writable
@@ -193,7 +194,8 @@ def load_shards(partial: Path, num_batches: int) -> list[dict]:
         path = partial / f"batch_{b:05d}.json"
         if not path.is_file():
             break
-        shards.append(json.loads(path.read_text(encoding="utf-8")))
+        shards.append(atomic_io.read_json(path, "delete it to play that batch again, or pass data_gen.resume=false "
+                                                "to start over"))
     return shards
 
 
@@ -297,7 +299,7 @@ def generate(cfg: DictConfig) -> dict:
         if state == "complete":
             print(f"{out_dir} already holds this dataset (same settings and model); data_gen.resume=false "
                   "generates it again")
-            return json.loads((out_dir / CARD_FILE).read_text(encoding="utf-8"))
+            return atomic_io.read_json(out_dir / CARD_FILE, f"generate it again: {FRESH_HINT}")
         partial = out_dir / PARTIAL_DIR
         if state == "fresh":
             shutil.rmtree(partial, ignore_errors=True)
@@ -315,6 +317,7 @@ def generate(cfg: DictConfig) -> dict:
 def prepare_data_gen_config(cfg: DictConfig, config_name: str | None = None) -> DictConfig:
     """Entry config + the `data_gen` block (config/data_gen.yaml under any overrides), prompt mode forced."""
     cfg = prepare_config(cfg, "data_gen", config_name)
+    check_choice(cfg, "data_gen.prompt_mode", PROMPT_MODES)
     cfg.ctx_manager.mode = cfg.data_gen.prompt_mode
     check_data_gen_settings(cfg)
     return cfg
@@ -340,7 +343,7 @@ def check_data_gen_settings(cfg: DictConfig) -> None:
             raise ValueError(f"data_gen.{key} must be true or false, got {dg[key]!r}")
 
 
-@hydra.main(config_path=str(CONFIG_DIR), version_base="1.3")
+@hydra_entry(CONFIG_DIR)
 def main(cfg: DictConfig) -> None:
     quiet_library_progress()
     with exit_on_user_error():

@@ -25,10 +25,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
 from SPA_agent.model_cache import DEFAULT_CACHE_DIR, MARKER_FILE, save_model_dir
+from SPA_agent.runs.progress import library_bars_off
 
 NAME = "smollm2-135m"
 VERSION = "v1"  # bump when the conversion changes: the cache is keyed on it
@@ -105,12 +107,20 @@ def convert_gguf(gguf_path: Path, output_dir: Path, dtype: str = "bfloat16") -> 
     de-quantized by transformers, then copied into a model built from the same config, which `save_pretrained`
     accepts; eos and pad become the end-of-turn token `<|im_end|>`."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        GenerationConfig,
+        modeling_gguf_pytorch_utils,
+    )
 
     gguf_path, output_dir = Path(gguf_path), Path(output_dir)
     kwargs = dict(gguf_file=gguf_path.name)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf_path.parent, **kwargs)
+    print(f"{NAME}: reading {gguf_path} (de-quantizing its tensors)", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    with library_bars_off(modeling_gguf_pytorch_utils):  # plain lines in a log, as everywhere else
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf_path.parent, **kwargs)
     config = loaded.config
     for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
         if hasattr(config, key):
@@ -127,7 +137,10 @@ def convert_gguf(gguf_path: Path, output_dir: Path, dtype: str = "bfloat16") -> 
     tokenizer.eos_token = tokenizer.pad_token = END_OF_TURN
     tokenizer.clean_up_tokenization_spaces = False  # a BPE tokenizer: decoding must not strip spaces
 
-    return save_model_dir(tokenizer, model, output_dir, {"name": NAME, "version": VERSION, "gguf": gguf_path.name})
+    with library_bars_off():
+        saved = save_model_dir(tokenizer, model, output_dir, {"name": NAME, "version": VERSION, "gguf": gguf_path.name})
+    print(f"{NAME}: converted into {saved} ({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
+    return saved
 
 
 def smollm2_model_dir(cache_dir: str | Path | None = None) -> Path:

@@ -104,7 +104,7 @@ load_experiment() {
 
 # evaluate_before_after CONFIG BEFORE_MODEL RUN_DIR EVAL_DIR [overrides...]: evaluate BEFORE_MODEL and the final
 # actor of the PPO run RUN_DIR into EVAL_DIR/{before_ppo,after_ppo}, then write EVAL_DIR/summary.md (our rows
-# beside the paper's). Reads MODEL and RENDER_MODE.
+# beside the paper's); a rerun replaces the evaluations there (evaluation.overwrite=true). Reads MODEL and RENDER_MODE.
 evaluate_before_after() {
     local config="$1" before="$2" run_dir="$3" eval_dir="$4" generator final which model_path
     shift 4
@@ -115,7 +115,7 @@ evaluate_before_after() {
         model_path="$before"; [ "$which" = after_ppo ] && model_path="$final"
         python -m SPA_agent.evaluate --config-name "$config" model="$(model_preset "$MODEL")" \
             model_path="$model_path" render_mode="$RENDER_MODE" generator="$generator" \
-            evaluation.output_dir="$eval_dir/$which" "$@"
+            evaluation.output_dir="$eval_dir/$which" evaluation.overwrite=true "$@"
     done
     local paper_args=(); case "$MODEL" in tiny|small|smollm2-135m) ;; *) paper_args=(--paper-model "$MODEL") ;; esac  # not in the paper
     python -m SPA_agent.report "$eval_dir/before_ppo" "$eval_dir/after_ppo" "$run_dir" "${paper_args[@]}" \

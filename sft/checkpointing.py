@@ -17,6 +17,7 @@ import json
 import shutil
 from pathlib import Path
 
+from SPA_agent.runs.atomic_io import read_json
 from SPA_agent.runs.checkpoint_dirs import checkpoints
 
 TRAIN_STATE = "train_state"
@@ -35,7 +36,8 @@ def write_state(directory: Path, state: dict) -> None:
 
 
 def read_state(checkpoint: Path) -> dict:
-    return json.loads((checkpoint / TRAIN_STATE / STATE_FILE).read_text())
+    return read_json(checkpoint / TRAIN_STATE / STATE_FILE,
+                     f"delete {checkpoint} to resume from an earlier checkpoint, or pass trainer.resume=disable")
 
 
 def prune(root: str | Path, max_to_keep: int | None) -> None:

@@ -92,5 +92,6 @@ overrides=(
 "$python" -m sft.spa_sft_trainer "${overrides[@]}" trainer.preflight_nproc="$nproc_per_node"
 
 mkdir -p "$save_path"
-"$python" -m torch.distributed.run --standalone --nnodes=1 --nproc_per_node="$nproc_per_node" \
-    -m sft.spa_sft_trainer "${overrides[@]}" 2>&1 | tee ${append_log:+-a} "$save_path/train.log"
+# sft.launch is torchrun, ending on Ctrl-C with the ranks' one line; tee -i keeps that line in the log and terminal.
+"$python" -m sft.launch --standalone --nnodes=1 --nproc_per_node="$nproc_per_node" \
+    -m sft.spa_sft_trainer "${overrides[@]}" 2>&1 | tee -i ${append_log:+-a} "$save_path/train.log"

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-import hydra
+import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -47,12 +47,13 @@ from sft.packing import (
     token_loss_sum,
 )
 from sft.spa_sft_dataset import SpaSftDataset
+from SPA_agent.entry import EXIT_INTERRUPTED, hydra_entry
 from SPA_agent.runs import atomic_io, checkpoint_dirs, run_identity
 from SPA_agent.runs.compile_cache import use_persistent_compile_cache
 from SPA_agent.runs.dir_lock import DirLock, check_unlocked, check_writable
 from SPA_agent.runs.lora import add_lora
 from SPA_agent.runs.metrics_logger import MetricsLogger
-from SPA_agent.runs.progress import progress_bar, quiet_library_progress
+from SPA_agent.runs.progress import BackgroundHeartbeat, progress_bar, quiet_library_progress
 from SPA_agent.runs.trainer_dir import TrainerDir
 from SPA_agent.selfplay.data_card import check_dataset_complete, check_dataset_config
 from SPA_agent.tiny import resolve_model_path
@@ -98,6 +99,26 @@ def resolve_kernel_choices(cfg: DictConfig, use_cuda: bool) -> None:
         cfg.data.pad_packed_to_multiple = FLEX_PAD_MULTIPLE if flex else 0
 
 
+def check_step_settings(trainer: DictConfig) -> None:
+    """`trainer.total_training_steps` and `trainer.save_freq`, which `0` or a negative value used to switch off
+    without a word (a run of total_epochs worth, no mid-epoch checkpoints)."""
+    steps, freq = trainer.total_training_steps, trainer.save_freq
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise ValueError(f"trainer.total_training_steps must be an integer >= 1 or null (total_epochs worth), "
+                         f"got {steps!r}")
+    if freq is not None and (isinstance(freq, bool) or not isinstance(freq, int) or freq < 0):
+        raise ValueError(f"trainer.save_freq must be an integer >= 0 or null (0 and null: at the end of each epoch "
+                         f"only), got {freq!r}")
+
+
+def empty_files(files) -> list[str]:
+    """The parquet files among `files` (a path or a list) that exist and hold no rows, when all of them do; stage 1
+    writes an empty wm_val.parquet with data_gen.val_fraction=0."""
+    paths = [str(files)] if isinstance(files, (str, Path)) else [str(f) for f in files]
+    empty = all(Path(path).is_file() and pq.read_metadata(path).num_rows == 0 for path in paths)
+    return paths if paths and empty else []
+
+
 class SftTrainer:
     """setup / train / save_checkpoint / cleanup over `cfg` (sft/config/sft_trainer.yaml)."""
 
@@ -107,6 +128,7 @@ class SftTrainer:
         self.init_method = init_method or f"tcp://127.0.0.1:{get_free_port()}"
         self.out_dir = Path(cfg.trainer.default_local_dir)
         self.global_step = 0
+        self.heartbeat = BackgroundHeartbeat("sft: loading data and model", disable=rank != 0)
 
     # ---------------------------------------------------------------- setup
     def preflight(self) -> None:
@@ -122,6 +144,7 @@ class SftTrainer:
         self._check_output_dir()
 
     def setup(self) -> None:
+        self.heartbeat.start()
         self._check_batch_sizes()
         self.model_path = resolve_model_path(self.cfg.model.partial_pretrain)
         self._build_data()
@@ -175,6 +198,9 @@ class SftTrainer:
         reports = {name: data.truncation_report for name, data in splits.items() if data is not None}
         for name, report in reports.items():
             print(f"sft data {name}: {report.describe()}", flush=True)
+        if self.empty_val_files:
+            print(f"sft data val: {', '.join(self.empty_val_files)} has no rows (made with data_gen.val_fraction=0?): "
+                  "no validation loss", flush=True)
         summary = {name: report.as_dict() for name, report in reports.items()}
         atomic_io.write_json(self.out_dir / TRUNCATION_FILE, summary)
         return summary
@@ -215,11 +241,14 @@ class SftTrainer:
             OmegaConf.to_object(files) if OmegaConf.is_list(files) else files, self.tokenizer, data.max_length,
             data.truncation, data.loss_target, data.prompt_key, data.response_key)
         self.train_data = make(data.train_files)
-        self.val_data = make(data.val_files) if data.val_files else None
+        # An empty validation file (data_gen.val_fraction=0) means no validation, as data.val_files=null does.
+        self.empty_val_files = empty_files(data.val_files) if data.val_files else []
+        self.val_data = make(data.val_files) if data.val_files and not self.empty_val_files else None
         self.steps_per_epoch = len(self.train_data) // data.train_batch_size
         if self.steps_per_epoch == 0:
             raise ValueError(f"the training set has {len(self.train_data)} rows, fewer than "
                              f"data.train_batch_size={data.train_batch_size}")
+        check_step_settings(self.cfg.trainer)
         total = self.steps_per_epoch * self.cfg.trainer.total_epochs
         self.total_steps = min(total, self.cfg.trainer.total_training_steps or total)
 
@@ -306,14 +335,18 @@ class SftTrainer:
         while self.global_step < last:
             epoch, index = divmod(self.global_step, self.steps_per_epoch)
             order = self.epoch_order(epoch)
+            self.heartbeat.doing(f"sft: step {self.global_step + 1}/{self.total_steps} running")
             metrics = self.train_step(order[index * size:(index + 1) * size])
             self.global_step += 1
             end_of_epoch = self.global_step % self.steps_per_epoch == 0 or self.global_step == self.total_steps
             if end_of_epoch and self.val_data is not None:
+                self.heartbeat.doing(f"sft: validation after step {self.global_step} running")
                 metrics["val/loss"] = self.validate()
             self._log(metrics | {"train/epoch": epoch + (index + 1) / self.steps_per_epoch}, bar)
+            self.heartbeat.mark()
             freq = self.cfg.trainer.save_freq
             if end_of_epoch or (freq and freq > 0 and self.global_step % freq == 0):
+                self.heartbeat.doing(f"sft: saving global_step_{self.global_step}")
                 self.save_checkpoint(end_of_epoch)
         bar.close()
 
@@ -426,7 +459,18 @@ class SftTrainer:
         model.save_pretrained(directory, state_dict=merged_hf_state_dict(state, self.lora_scale))
         self.tokenizer.save_pretrained(directory)
 
+    def interrupted(self, preflight: bool) -> str:
+        """The Ctrl-C line: what was kept and how to continue."""
+        if preflight:
+            return "nothing was written (only the checks ran); run the same command again"
+        saved = checkpoint_dirs.checkpoints(self.out_dir)
+        if not saved:
+            return f"no checkpoint was saved yet in {self.out_dir}; run the same command again"
+        return (f"the checkpoints saved so far are in {self.out_dir} (latest {saved[-1][1].name}); the same command "
+                "with trainer.resume=auto (RESUME=1 in finetune_ft.sh) continues from the latest")
+
     def cleanup(self) -> None:
+        self.heartbeat.stop()
         if self.rank == 0 and hasattr(self, "metrics"):
             self.metrics.close()
         if hasattr(self, "lock"):
@@ -435,7 +479,7 @@ class SftTrainer:
             dist.destroy_process_group()
 
 
-@hydra.main(config_path="config", config_name="sft_trainer", version_base="1.3")
+@hydra_entry(Path(__file__).resolve().parent / "config", config_name="sft_trainer")
 def main(cfg: DictConfig) -> None:
     """Entry point: reads torchrun's RANK/WORLD_SIZE/LOCAL_RANK; user errors exit with status 2."""
     die_with_launcher()
@@ -454,6 +498,11 @@ def main(cfg: DictConfig) -> None:
             return
         trainer.setup()
         trainer.train()
+    except KeyboardInterrupt:  # Ctrl-C; under torchrun, the launcher forwards it to every rank (sft/launch.py)
+        if rank == 0:
+            print(f"interrupted: {trainer.interrupted(bool(preflight))}", file=sys.stderr, flush=True)
+        trainer.cleanup()
+        sys.exit(EXIT_INTERRUPTED)
     except (ValueError, FileNotFoundError) as error:
         # Every rank says why: an error that only another rank meets is otherwise lost when torchrun stops rank 0.
         print(f"error{f' (rank {rank})' if rank else ''}: {error}", file=sys.stderr, flush=True)

@@ -94,7 +94,7 @@ def test_script_settings(pipeline, render, overrides, expected):
     (["spa", "_2_sokoban", "--", "experiment=easy_to_hard"], "applies to _3_frozen_lake, not _2_sokoban"),
     (["--render-mode", "text", "spa", "_2_sokoban", "--", "experiment=spa"], "RENDER_MODE=text contradicts"),
     (["spa", "_2_sokoban", "--", "experiment=nope"], "unknown experiment 'nope'"),
-    (["spa", "_2_sokoban", "--", "no.such_key=1"], "Could not override 'no.such_key'"),
+    (["spa", "_2_sokoban", "--", "no.such_key=1"], "unknown key 'no.such_key' in no.such_key=1; +no.such_key=1 adds"),
 ])
 def test_settings_errors_are_one_line(args, message, capsys):
     assert experiments.main(["settings", *args]) == 2

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from SPA_agent.config import close_matches
 from SPA_agent.envs import make_env
 from SPA_agent.rollout.turns import Observation, Turn, as_entry, read_entry
 
@@ -44,17 +45,19 @@ class EnvEntry:
 
 
 def check_env_groups(config: Mapping, split: str) -> None:
-    """Clear errors for `es_manager.<split>` before any env is built: known tags, one n_groups entry per tag,
-    and n_groups summing to env_groups."""
+    """Clear errors for `es_manager.<split>` before any env is built (or model loaded), each naming the key: group
+    counts, known tags, one n_groups entry per tag, and n_groups summing to env_groups."""
     es_cfg = config["es_manager"][split]
-    if int(es_cfg["env_groups"]) < 1 or int(es_cfg["group_size"]) < 1:
-        raise ValueError(f"es_manager.{split}.env_groups and group_size must be >= 1, got "
-                         f"{es_cfg['env_groups']} and {es_cfg['group_size']}")
+    for key in ("env_groups", "group_size"):
+        value = es_cfg[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"es_manager.{split}.{key} must be an integer >= 1, got {value!r}")
     tags, n_groups = list(es_cfg["env_configs"]["tags"]), list(es_cfg["env_configs"]["n_groups"])
-    unknown = [tag for tag in tags if tag not in config["custom_envs"]]
-    if unknown:
-        raise ValueError(f"es_manager.{split}: unknown env tag(s) {unknown}; known tags: "
-                         f"{sorted(config['custom_envs'])}")
+    known = sorted(config["custom_envs"])
+    for tag in tags:
+        if tag not in config["custom_envs"]:
+            raise ValueError(f"es_manager.{split}.env_configs.tags: unknown env tag {tag!r}"
+                             f"{close_matches(str(tag), known)}; known tags: {', '.join(known)}")
     if len(tags) != len(n_groups) or sum(n_groups) != int(es_cfg["env_groups"]):
         raise ValueError(
             f"es_manager.{split}: env_configs.n_groups {n_groups} must have one entry per tag "

@@ -45,3 +45,13 @@ def write_jsonl(path: Path, records: list[Any]) -> Path:
 def write_parquet(path: Path, table: pa.Table) -> Path:
     """A parquet file without timestamps or statistics that vary between runs, atomically."""
     return write_atomic(path, lambda tmp: pq.write_table(table, tmp, compression="zstd"))
+
+
+def read_json(path: Path, remedy: str) -> Any:
+    """The JSON document in `path`; a damaged one (cut short, not JSON, not UTF-8) raises ValueError naming the file
+    and what to do about it (`remedy`), not the decoder's bare "Expecting ',' delimiter"."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is damaged (not JSON: {err}); {remedy}") from None
+

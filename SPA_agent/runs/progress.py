@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+import functools
 import sys
+import threading
 import time
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from types import ModuleType
 from typing import TextIO
 
 from tqdm.auto import tqdm
@@ -42,6 +46,52 @@ class Heartbeat:
             plain_line(f"{describe()} ({now - self.start:.0f} s)")
 
 
+class BackgroundHeartbeat:
+    """For work with no loop to beat in (one long training step, a validation pass, loading a model): between
+    `start()` and `stop()` (or in a `with` block), a thread prints `<activity> (<seconds in it> s)` as a plain line
+    whenever `interval_s` has passed since the start or the last line, only when stderr is redirected. The caller's
+    own progress lines count: `mark()` after each. `doing(activity)` names what runs now."""
+
+    def __init__(self, activity: str, interval_s: float | None = None, disable: bool = False):
+        self.interval_s = HEARTBEAT_S if interval_s is None else interval_s
+        self.disable = disable
+        self.doing(activity)
+        self.mark()
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def doing(self, activity: str) -> None:
+        self.activity, self.since = activity, time.perf_counter()
+
+    def mark(self) -> None:
+        self.last = time.perf_counter()
+
+    def start(self) -> BackgroundHeartbeat:
+        if not self.disable and self._thread is None and not is_terminal():
+            self.mark()
+            self._thread = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    __enter__ = start
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    def _beat(self) -> None:
+        while not self._stopped.wait(max(0.0, self.last + self.interval_s - time.perf_counter())):
+            now = time.perf_counter()
+            if now - self.last >= self.interval_s:
+                self.last = now
+                plain_line(f"{self.activity} ({now - self.since:.0f} s)")
+
+
 def quiet_library_progress() -> None:
     """Entry points call this first: with stderr redirected, the progress bars of transformers (loading weights,
     writing shards) and huggingface_hub (downloads) are turned off, as they draw with carriage returns even into
@@ -53,6 +103,29 @@ def quiet_library_progress() -> None:
 
     disable_progress_bars()
     logging.disable_progress_bar()
+
+
+@contextmanager
+def library_bars_off(*modules: ModuleType) -> Iterator[None]:
+    """Inside: with stderr redirected, no bars from transformers (its own switch) nor from `modules` that call tqdm
+    directly (their `tqdm` is swapped for a disabled one meanwhile), e.g. transformers' GGUF loader."""
+    if is_terminal():
+        yield
+        return
+    from transformers.utils import logging
+
+    enabled = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    bars = {module: module.tqdm for module in modules}
+    for module, bar in bars.items():
+        module.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        for module, bar in bars.items():
+            module.tqdm = bar
+        if enabled:
+            logging.enable_progress_bar()
 
 
 def progress_bar(iterable: Iterable | None = None, disable: bool = False, lines: bool = True, **kwargs):

@@ -36,10 +36,10 @@ def check_dataset_complete(data_file: Path) -> None:
 def check_dataset_config(data_file: Path, config_name: str) -> None:
     """Raise ValueError when the data card beside `data_file` (or, for filtered data, its source's card) names
     another entry config than `config_name`: FrozenLake rows would train a Sokoban run without a word."""
-    import json
+    from SPA_agent.runs.atomic_io import read_json
 
     directory = Path(data_file).parent
-    card = json.loads((directory / CARD_FILE).read_text(encoding="utf-8"))
+    card = read_json(directory / CARD_FILE, "rerun stage 1, or pass data.config_name=null to skip this check")
     made_by = card.get("config_name") or (card.get("source_card") or {}).get("config_name")
     if made_by is not None and made_by != config_name:
         raise ValueError(f"{directory} holds {made_by} data ({CARD_FILE}) but this run is for {config_name}: pass "

@@ -94,6 +94,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def check_started(out: Path) -> None:
+    """`status` polls an experiment that a run has started (its settings.json is written first); a mistyped --out
+    would otherwise show every stage "not started"."""
+    if not (out / "settings.json").is_file():
+        reason = "holds no spa_arms experiment (no settings.json)" if out.exists() else "does not exist"
+        raise StageError(f"{out} {reason}; start one with python -m SPA_agent.spa_arms all --out {out}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     given = {f.name: getattr(args, f.name) for f in fields(Settings)}
@@ -102,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     if given["from_dir"]:  # recorded relative to --out, like the links
         given["from_dir"] = os.path.relpath(Path(given["from_dir"]).resolve(), args.out.resolve())
     try:
+        if args.stage == "status":
+            check_started(args.out)
         settings = load_settings(args.out, given)
         exp = Experiment(args.out, settings)
         if args.stage == "status":

@@ -132,7 +132,8 @@ class Experiment:
             sys.executable, "-m", "SPA_agent.evaluate", "--config-name", self.s.config, f"model={self.s.model}",
             f"model_path={model_path}", "evaluation.prompt_mode=add_worldmodel",
             f"evaluation.num_puzzles={self.s.wm_puzzles}", "evaluation.n=1", "evaluation.k=[1]",
-            "evaluation.write_plots=false", f"evaluation.output_dir={out}", *self._overrides(self.s.eval_overrides)],
+            "evaluation.write_plots=false", f"evaluation.output_dir={out}", "evaluation.overwrite=true",
+            *self._overrides(self.s.eval_overrides)],
             lambda: (result := read_eval(out)) is not None
             and Path(result["model_path"]).parts[-len(relative.parts):] == relative.parts)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from omegaconf import DictConfig
 from verl.trainer.ppo import core_algos
 
-from SPA_agent.entry import check_rollout_settings
+from SPA_agent.entry import check_choice, check_rollout_settings
+from SPA_agent.rollout.parsing import MODES as PROMPT_MODES
 from SPA_agent.trainer.algos import ADV_ESTIMATORS, ROLLOUT_FILTERS
 from SPA_agent.trainer.backend import BACKENDS
 
@@ -16,6 +17,7 @@ LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-tok
 def check_config(cfg: DictConfig) -> None:
     """Raise ValueError naming the offending keys if the config cannot train."""
     check_rollout_settings(cfg)
+    check_choice(cfg, "ctx_manager.mode", PROMPT_MODES)
     _check_backend(cfg)
     _check_batch_sizes(cfg)
     _check_algorithm(cfg)

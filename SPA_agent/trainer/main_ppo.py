@@ -18,13 +18,18 @@ import sys
 import time
 from pathlib import Path
 
-import hydra
 import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from SPA_agent.config import CONFIG_DIR
-from SPA_agent.entry import apply_system_env, exit_on_interrupt, exit_on_user_error, load_tokenizer
+from SPA_agent.entry import (
+    apply_system_env,
+    exit_on_interrupt,
+    exit_on_user_error,
+    hydra_entry,
+    load_tokenizer,
+)
 from SPA_agent.runs import run_identity
 from SPA_agent.runs.atomic_io import write_text
 from SPA_agent.runs.compile_cache import use_persistent_compile_cache
@@ -148,7 +153,7 @@ def _copy_environment(cfg: DictConfig) -> None:
         os.environ.setdefault("WANDB_MODE", "offline")
 
 
-@hydra.main(config_path=str(CONFIG_DIR), config_name="_2_sokoban", version_base="1.3")
+@hydra_entry(CONFIG_DIR, config_name="_2_sokoban")
 def main(cfg: DictConfig) -> None:
     quiet_library_progress()
     _copy_environment(cfg)

@@ -90,7 +90,8 @@ def test_tiny_model_rollout_reuses_sampled_ids(tiny_config, tiny_tokenizer, tiny
 
 def test_unknown_env_tag_is_a_clear_error_before_any_env_is_built(tiny_config, tiny_tokenizer, tiny_dir):
     cfg = tiny_config("_2_sokoban", "generator=random", "es_manager.val.env_configs.tags=[Sokobann]")
-    with pytest.raises(ValueError, match=r"es_manager.val: unknown env tag\(s\) \['Sokobann'\]; known tags"):
+    with pytest.raises(ValueError, match=r"es_manager.val.env_configs.tags: unknown env tag 'Sokobann' \(did you mean "
+                                         r"HarderSokoban, SimpleSokoban, Sokoban2Boxes\?\); known tags"):
         _proxy(cfg, tiny_tokenizer, tiny_dir)
 
 

@@ -64,7 +64,7 @@ def test_failing_rerun_leaves_the_complete_dataset_untouched(dataset):
         generate(config(dataset, "model_path=/nope", "data_gen.resume=false"))
     with pytest.raises(ValueError, match="agent_proxy.max_turn must be >= 1"):
         generate(config(dataset, "agent_proxy.max_turn=0", "data_gen.resume=false"))
-    with pytest.raises(ValueError, match="env_groups and group_size must be >= 1"):
+    with pytest.raises(ValueError, match="es_manager.train.env_groups must be an integer >= 1, got 0"):
         generate(config(dataset, "es_manager.train.env_groups=0", "es_manager.train.env_configs.n_groups=[0]",
                         "data_gen.resume=false"))
     assert snapshot(dataset) == before and not (dataset / PARTIAL_DIR).exists()
