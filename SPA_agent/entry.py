@@ -55,10 +55,47 @@ def check_number(cfg: DictConfig, key: str, low: float, high: float | None = Non
         raise ValueError(f"{key} must be {bounds}, got {value}")
 
 
+def check_numbers(cfg: DictConfig, table: tuple[tuple, ...]) -> None:
+    """`check_number` for each `(key, low, high, integer)` of `table`; keys whose value is null are skipped."""
+    for key, low, high, integer in table:
+        if OmegaConf.select(cfg, key) is not None:
+            check_number(cfg, key, low, high, integer=integer)
+
+
+def check_list(cfg: DictConfig, key: str, item_type: type = int, example: str = "[1,8]") -> list:
+    """The value of `key` as a list; ValueError naming `key` unless it is a list of `item_type` (a number where
+    a list is expected would otherwise fail later as "'int' object is not iterable")."""
+    value = OmegaConf.select(cfg, key)
+    items = list(value) if OmegaConf.is_list(value) or isinstance(value, list) else None
+    kinds = (int, float) if item_type is float else item_type
+    if items is None or any(isinstance(v, bool) or not isinstance(v, kinds) for v in items):
+        kind = {int: "integers", float: "numbers", str: "strings"}.get(item_type, item_type.__name__)
+        raise ValueError(f"{key} must be a list of {kind} such as {key}={example}, got {value!r}")
+    return items
+
+
+@contextmanager
+def model_load_errors(model_path: str) -> Iterator[None]:
+    """Inside: a model directory that cannot be loaded (truncated weights, a corrupt config) raises a one-line
+    ValueError naming it instead of a loader's traceback (shared by PPO, evaluation and data generation)."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, SafetensorError) as err:
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ValueError(f"cannot load the model {model_path}: {reason}") from None
+
+
 def check_rollout_settings(cfg: DictConfig) -> None:
     """Settings every stage that plays the envs needs (data generation, evaluation, PPO)."""
     check_number(cfg, "actor_rollout_ref.rollout.response_length", 1, integer=True)
     check_number(cfg, "agent_proxy.max_turn", 1, integer=True)
+    for split in ("train", "val"):
+        check_number(cfg, f"es_manager.{split}.env_groups", 1, integer=True)
+        check_number(cfg, f"es_manager.{split}.group_size", 1, integer=True)
+        check_list(cfg, f"es_manager.{split}.env_configs.tags", str, "[SimpleSokoban]")
+        check_list(cfg, f"es_manager.{split}.env_configs.n_groups", int, "[4]")
 
 
 def current_config_name() -> str | None:

@@ -28,6 +28,7 @@ from torch.distributed.elastic.utils.distributed import get_free_port
 from tqdm import tqdm
 
 from sft import checkpointing as ckpt
+from sft.config_checks import check_sft_config
 from sft.fsdp_model import (
     full_state_dict,
     load_model,
@@ -112,7 +113,7 @@ class SftTrainer:
     def preflight(self) -> None:
         """Check config, data (complete dataset, files, schema, lengths) and the output directory (no other
         writer, same run identity when resuming) without process groups, a model or any write."""
-        self._check_batch_sizes()
+        check_sft_config(self.cfg, self.world_size)
         wanted = self.cfg.trainer.device
         use_cuda = torch.cuda.is_available() if wanted == "auto" else wanted == "cuda"
         check_attention(self.cfg, use_cuda)
@@ -122,7 +123,7 @@ class SftTrainer:
         self._check_output_dir()
 
     def setup(self) -> None:
-        self._check_batch_sizes()
+        check_sft_config(self.cfg, self.world_size)
         self.model_path = resolve_model_path(self.cfg.model.partial_pretrain)
         self._build_data()
         resume = self._check_output_dir()
@@ -178,17 +179,6 @@ class SftTrainer:
         summary = {name: report.as_dict() for name, report in reports.items()}
         atomic_io.write_json(self.out_dir / TRUNCATION_FILE, summary)
         return summary
-
-    def _check_batch_sizes(self) -> None:
-        data = self.cfg.data
-        per_rank_unit = self.world_size * (1 if data.packing else data.micro_batch_size_per_gpu)
-        if data.train_batch_size % per_rank_unit:
-            what = "ranks" if data.packing else "ranks × data.micro_batch_size_per_gpu"
-            raise ValueError(f"data.train_batch_size={data.train_batch_size} is not divisible by {what} = "
-                             f"{per_rank_unit}")
-        if data.packing and data.max_tokens_per_micro_batch < data.max_length:
-            raise ValueError(f"data.max_tokens_per_micro_batch={data.max_tokens_per_micro_batch} must be >= "
-                             f"data.max_length={data.max_length}")
 
     def _init_distributed(self) -> None:
         wanted = self.cfg.trainer.device

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from SPA_agent.runs import atomic_io
-from SPA_agent.selfplay.data_card import CARD_FILE
+from SPA_agent.selfplay.data_card import CARD_FILE, describe_files
 from SPA_agent.selfplay.data_variants import without_worldmodel_row
 from SPA_agent.spa_arms.settings import ARMS, Settings, StageError
 
@@ -228,7 +228,7 @@ def write_without_worldmodel(source: Path, target: Path, settings: Settings) -> 
         counts[split] = len(rows)
     atomic_io.write_json(target / CARD_FILE, {
         "stage": "world-model rows without world model (SPA_agent.selfplay.data_variants.without_worldmodel_row)",
-        "source": source.name, "rows": counts,
+        "source": source.name, "rows": counts, "files": describe_files(target, [f"{split}.parquet" for split in SPLITS]),
         "source_card": json.loads((source / CARD_FILE).read_text(encoding="utf-8"))})
     print(f"data without world model written to {target} ({counts})", flush=True)
 
