@@ -91,6 +91,8 @@ overrides=(
 # Check the config and data in one process first: a user error prints one line and exits with status 2.
 "$python" -m sft.spa_sft_trainer "${overrides[@]}" trainer.preflight_nproc="$nproc_per_node"
 
-mkdir -p "$save_path"
-"$python" -m torch.distributed.run --standalone --nnodes=1 --nproc_per_node="$nproc_per_node" \
-    -m sft.spa_sft_trainer "${overrides[@]}" 2>&1 | tee ${append_log:+-a} "$save_path/train.log"
+# The lock of <save_path> is taken before anything is written there, its log included: a second run into the same
+# directory stops in one line instead of overwriting this run's train.log (SPA_agent/runs/locked_run.py).
+"$python" -m SPA_agent.runs.locked_run --dir "$save_path" --log "$save_path/train.log" ${append_log:+--append} -- \
+    "$python" -m torch.distributed.run --standalone --nnodes=1 --nproc_per_node="$nproc_per_node" \
+    -m sft.spa_sft_trainer "${overrides[@]}"

@@ -50,7 +50,7 @@ from sft.packing import (
 from sft.spa_sft_dataset import SpaSftDataset
 from SPA_agent.runs import atomic_io, checkpoint_dirs, run_identity
 from SPA_agent.runs.compile_cache import use_persistent_compile_cache
-from SPA_agent.runs.dir_lock import DirLock, check_unlocked, check_writable
+from SPA_agent.runs.dir_lock import HOLDER_ENV, DirLock, adopt_locks_of, check_unlocked, check_writable
 from SPA_agent.runs.lora import add_lora
 from SPA_agent.runs.metrics_logger import MetricsLogger
 from SPA_agent.runs.progress import progress_bar, quiet_library_progress
@@ -429,6 +429,8 @@ class SftTrainer:
 def main(cfg: DictConfig) -> None:
     """Entry point: reads torchrun's RANK/WORLD_SIZE/LOCAL_RANK; user errors exit with status 2."""
     die_with_launcher()
+    if HOLDER_ENV in os.environ:  # sft/finetune_ft.sh took the output directory's lock for this run
+        adopt_locks_of(int(os.environ[HOLDER_ENV]))
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     init_method = "env://" if "MASTER_ADDR" in os.environ else None

@@ -168,3 +168,26 @@ def test_a_truncated_safetensors_file_is_one_line_in_every_stage(monkeypatch, ca
     err = capsys.readouterr().err
     assert code == EXIT_USAGE and err.startswith(f"error: cannot load the model {truncated_model}: ") and err.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+# --- 8: two SFT runs into one directory -----------------------------------------------------------------------------
+def test_a_second_sft_run_into_a_locked_directory_stops_before_writing_its_log(datasets, tmp_path):
+    """Run B passed the pre-check just before run A took the lock (issue 44: two runs started 1 s apart): B must stop
+    at the lock, in one line, and leave A's train.log alone."""
+    from SPA_agent.runs.dir_lock import DirLock
+
+    out = tmp_path / "sft"
+    run_a = DirLock(out).acquire()  # this test process plays run A
+    try:
+        (out / "train.log").write_text("run A's log\n")
+        passed_precheck = tmp_path / "python"  # B's pre-check (trainer.preflight_nproc) passed before A's lock
+        passed_precheck.write_text("#!/bin/bash\nfor a in \"$@\"; do [[ $a == trainer.preflight_nproc=* ]] && exit 0; "
+                                   f"done\nexec {sys.executable} \"$@\"\n")
+        passed_precheck.chmod(0o755)
+        result = script("sft/finetune_ft.sh", "_2_sokoban", "1", str(out), str(datasets / "_2_sokoban"), "tiny",
+                        env={"PYTHON": str(passed_precheck)})
+        assert_one_line(result, f"{out} is in use by pid {os.getpid()}")
+        assert (out / "train.log").read_text() == "run A's log\n"
+        assert sorted(p.name for p in out.iterdir()) == [".lock", "train.log"]
+    finally:
+        run_a.release()
