@@ -8,8 +8,7 @@
 #   EVAL_DIR (./evals/<experiment>). Ends like run_spa.sh: the model evaluated before and after PPO, a summary
 #   beside the paper's rows, and where everything was written.
 set -euo pipefail
-cd "$(dirname "$0")"
-. scripts/common.sh
+. "$(dirname "$0")/scripts/common.sh"
 
 [ $# -ge 1 ] || die "usage: bash run_baseline.sh <config> [overrides...]"
 CONFIG_NAME="$1"; shift
@@ -25,7 +24,7 @@ MODEL_PATH="$(python -c "from SPA_agent.config import compose; print(compose('$C
 EXPERIMENT_NAME="${CONFIG_NAME}-${MODEL}-${RENDER_MODE}-${EXPERIMENT}"
 RUN_DIR="${BASE_DIR:-./checkpoints}/$CONFIG_NAME/$EXPERIMENT_NAME"
 echo "== PPO from $MODEL_PATH -> $RUN_DIR"
-bash ./train_ppo_sfted.sh "$CONFIG_NAME" "$MODEL_PATH" "$EXPERIMENT_NAME" "$@"
+bash "$SPA_REPO/train_ppo_sfted.sh" "$CONFIG_NAME" "$MODEL_PATH" "$EXPERIMENT_NAME" "$@"
 
 EVAL_DIR="${EVAL_DIR:-./evals/$EXPERIMENT_NAME}"
 evaluate_before_after "$CONFIG_NAME" "$MODEL_PATH" "$RUN_DIR" "$EVAL_DIR" "$@"

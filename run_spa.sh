@@ -20,8 +20,7 @@
 # random generator for its data and uses the SFT settings of docs/small_model.md; so does MODEL=smollm2-135m
 # (SmolLM2-135M-Instruct from a package, docs/smollm2.md), with 2 SFT epochs at the paper's lr.
 set -euo pipefail
-cd "$(dirname "$0")"
-. scripts/common.sh
+. "$(dirname "$0")/scripts/common.sh"
 
 [ $# -ge 1 ] || die "usage: bash run_spa.sh <config> [ckpt=last] [generate_data=False] [overrides...]"
 CONFIG_NAME="$1"; CKPT="${2:-last}"; GENERATE_DATA="${3:-False}"; shift $(( $# < 3 ? $# : 3 ))
@@ -69,7 +68,7 @@ if [ "$GENERATE_DATA" = True ]; then
         data_gen.output_dir="$OUTPUT_DIR" data_gen.resume="$DATA_RESUME" "$@"
     echo "== stage 2: world-model SFT -> $CHECKPOINT_DIR"
     # shellcheck disable=SC2086
-    bash sft/finetune_ft.sh "$CONFIG_NAME" "$(( NGPUS > 0 ? NGPUS : 1 ))" "$CHECKPOINT_DIR" "$OUTPUT_DIR" "$MODEL" ${SFT_OVERRIDES:-}
+    bash "$SPA_REPO/sft/finetune_ft.sh" "$CONFIG_NAME" "$(( NGPUS > 0 ? NGPUS : 1 ))" "$CHECKPOINT_DIR" "$OUTPUT_DIR" "$MODEL" ${SFT_OVERRIDES:-}
 fi
 
 if [ "$CKPT" = last ] || [ -z "$CKPT" ]; then
@@ -82,7 +81,7 @@ fi
 EXPERIMENT_NAME="${CONFIG_NAME}-${MODEL}-${RENDER_MODE}-${EXPERIMENT}-$(basename "$CKPT_PATH")"
 RUN_DIR="${BASE_DIR:-./checkpoints}/$CONFIG_NAME/$EXPERIMENT_NAME"
 echo "== stage 3: PPO from $CKPT_PATH -> $RUN_DIR"
-bash ./train_ppo_sfted.sh "$CONFIG_NAME" "$CKPT_PATH" "$EXPERIMENT_NAME" "$@"
+bash "$SPA_REPO/train_ppo_sfted.sh" "$CONFIG_NAME" "$CKPT_PATH" "$EXPERIMENT_NAME" "$@"
 
 EVAL_DIR="${EVAL_DIR:-./evals/$EXPERIMENT_NAME}"
 evaluate_before_after "$CONFIG_NAME" "$CKPT_PATH" "$RUN_DIR" "$EVAL_DIR" "$@"

@@ -9,8 +9,7 @@
 #   per GPU where the model fits one), RESUME (0: start fresh in the run directory, the default; 1: continue a
 #   run there with the same settings and starting model).
 set -euo pipefail
-cd "$(dirname "$0")"
-. scripts/common.sh
+. "$(dirname "$0")/scripts/common.sh"
 
 [ $# -ge 3 ] || die "usage: bash train_ppo_sfted.sh <config> <checkpoint> <experiment name> [overrides...]"
 CONFIG_NAME="$1"; CKPT="$2"; EXPERIMENT_NAME="$3"; shift 3

@@ -143,8 +143,9 @@ def resolve_checkpoint(model_path: str) -> str:
                   if (m := re.search(r"global_step_(\d+)", p.relative_to(path).as_posix()))}
         hint = f"; did you mean {models[max(models)]}?" if models else ""
         raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json){hint}")
-    if not path.exists() and (resolved.startswith((".", "/", "~")) or resolved.count("/") > 1):
-        raise FileNotFoundError(f"model_path {resolved} does not exist")
+    local = resolved.startswith((".", "/", "~")) or resolved.count("/") > 1 or ("/" in resolved and path.parent.is_dir())
+    if not path.exists() and local:  # not a hub id (org/name) either: `org` would be a local directory
+        raise FileNotFoundError(f"model_path {resolved} does not exist (relative paths start at {Path.cwd()})")
     return resolved
 
 

@@ -1,6 +1,10 @@
 # Shared helpers of run_spa.sh, run_baseline.sh and train_ppo_sfted.sh (sourced, not executed).
 
 SPA_CONFIGS="_2_sokoban _3_frozen_lake _10_sudoku"
+# The scripts stay in the caller's directory, so that relative paths (arguments, OUTPUT_DIR, overrides) mean what
+# they mean there; they find their repository by its path, and run its code whatever the directory.
+SPA_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+export PYTHONPATH="$SPA_REPO${PYTHONPATH:+:$PYTHONPATH}"
 
 die() { echo "error: $*" >&2; exit 2; }
 
@@ -8,7 +12,7 @@ die() { echo "error: $*" >&2; exit 2; }
 check_config() {
     local name="$1" known
     for known in $SPA_CONFIGS; do [ "$name" = "$known" ] && return 0; done
-    [ -f "config/$name.yaml" ] && return 0
+    [ -f "$SPA_REPO/config/$name.yaml" ] && return 0
     die "unknown config '$name'; choose one of: $SPA_CONFIGS"
 }
 

@@ -191,3 +191,15 @@ def test_a_second_sft_run_into_a_locked_directory_stops_before_writing_its_log(d
         assert sorted(p.name for p in out.iterdir()) == [".lock", "train.log"]
     finally:
         run_a.release()
+
+
+# --- 9: relative paths from another directory -----------------------------------------------------------------------
+def test_relative_paths_given_to_a_script_start_in_the_callers_directory(tmp_path, tiny_dir):
+    """`sref/global_step_10` given from the directory that holds it is that checkpoint, not a hub id, and the default
+    run directory (./checkpoints/...) is the caller's too: here a file, so PPO stops there in one line, after loading
+    the checkpoint's tokenizer and before any model."""
+    shutil.copytree(tiny_dir, tmp_path / "sref" / "global_step_10")
+    (tmp_path / "checkpoints").write_text("a file where the runs would go")
+    result = script("train_ppo_sfted.sh", "_2_sokoban", "sref/global_step_10", "run", cwd=tmp_path,
+                    env={"HF_HUB_OFFLINE": "1"})
+    assert_one_line(result, "cannot write to checkpoints/_2_sokoban/run")
