@@ -34,7 +34,7 @@ if [ "$NGPUS" -gt 1 ]; then
     BACKEND_ARGS=(trainer.backend=verl actor_rollout_ref.rollout.tensor_model_parallel_size="${ROLLOUT_TP:-auto}")
 fi
 
-python -m SPA_agent.trainer.main_ppo --config-name "$CONFIG_NAME" model="$PRESET" \
+run_stage -m SPA_agent.trainer.main_ppo --config-name "$CONFIG_NAME" model="$PRESET" \
     model_path="$CKPT" "${RENDER_ARGS[@]}" "${BACKEND_ARGS[@]}" \
     trainer.n_gpus_per_node="$(( NGPUS > 0 ? NGPUS : 1 ))" \
     trainer.total_training_steps="$TOTAL_STEPS" trainer.save_freq=100 \

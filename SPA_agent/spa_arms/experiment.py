@@ -108,8 +108,8 @@ class Experiment:
             f"trainer.default_local_dir={out}", f"trainer.experiment_name={arm}", "trainer.resume=auto",
             *shlex.split(self.s.sft_overrides)], self.sft_marker(arm).is_file, record_checkpoint)
 
-    def ppo_job(self, arm: str) -> Job:
-        checkpoint = self.sft_checkpoint(arm)
+    def ppo_job(self, arm: str, checkpoint: Path | None = None) -> Job:
+        checkpoint = checkpoint or self.sft_checkpoint(arm)
         if checkpoint is None:
             raise StageError(f"arm {arm} has no SFT checkpoint ({self.sft_marker(arm)}): run the sft stage first")
         g = self.s.val_groups
@@ -135,6 +135,15 @@ class Experiment:
             "evaluation.write_plots=false", f"evaluation.output_dir={out}", *self._overrides(self.s.eval_overrides)],
             lambda: (result := read_eval(out)) is not None
             and Path(result["model_path"]).parts[-len(relative.parts):] == relative.parts)
+
+    def planned_commands(self) -> list[list[str]]:
+        """The command of every job of every stage, for checking their settings before the first one runs
+        (SPA_agent/pipeline_check.py); checkpoints that the sft stage will make stand in for themselves."""
+        stand_in = {arm: self.sft_dir(arm) / "global_step_N" for arm in self.s.arms}
+        jobs = [self.data_job(), *(self.sft_job(arm) for arm in self.s.arms),
+                *(self.ppo_job(arm, stand_in[arm]) for arm in self.s.arms),
+                *(self.wm_job(arm, "sft", stand_in[arm]) for arm in self.s.arms)]
+        return [job.argv for job in jobs]
 
     # ------------------------------------------------------------------ --from
     def link_source(self) -> None:

@@ -260,3 +260,39 @@ def test_help_prints_help_and_does_nothing_else(module, tmp_path):
                             env={**os.environ, "HOME": str(tmp_path), "PIP_INDEX_URL": "http://127.0.0.1:9/simple/"})
     assert result.returncode == 0 and result.stdout.startswith(f"usage: python -m {module}") and not result.stderr
     assert list(tmp_path.iterdir()) == []  # no cache, no download
+
+
+# --- 1, 2: the pipeline scripts check every stage's settings before the first ----------------------------------------
+@pytest.mark.parametrize("script_args, env, message", [
+    (("run_spa.sh", "_2_sokoban", "last", "True", "trainer.total_training_steps=0"), {},
+     "error: PPO: trainer.total_training_steps must be a positive integer, got 0"),
+    (("run_spa.sh", "_2_sokoban", "last", "True"), {"SFT_OVERRIDES": "trainer.total_epoch=1"},
+     "error: stage 2 (SFT): trainer.total_epoch is not a setting; did you mean trainer.total_epochs?"),
+    (("run_baseline.sh", "_2_sokoban", "evaluation.k=5"), {},
+     "error: evaluation: evaluation.k must be a list of integers such as evaluation.k=[1,8], got 5"),
+])
+def test_a_setting_of_a_later_stage_is_refused_before_the_first_stage(tmp_path, script_args, env, message):
+    """From the caller's directory, with the default output directories: one line, no stage started, nothing
+    written there."""
+    result = script(*script_args, env=env, cwd=tmp_path)
+    assert_one_line(result, message)
+    assert "==" not in result.stdout and list(tmp_path.iterdir()) == []
+
+
+# --- 13: the three-arm experiment ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("args, message", [
+    (["--ppo-steps", "0"], "--ppo-steps must be >= 1, got 0"),
+    (["--model", "tiny", "--ppo-overrides", "trainer.total_training_step=3"],
+     "PPO: trainer.total_training_step is not a setting; did you mean trainer.total_training_steps?"),
+    (["--model", "tiny", "--sft-overrides", "data.train_batch_size=0"],
+     "stage 2 (SFT): data.train_batch_size must be >= 1, got 0"),
+])
+def test_spa_arms_checks_every_stage_before_the_data(monkeypatch, capsys, tmp_path, args, message):
+    from SPA_agent.spa_arms import experiment
+    from SPA_agent.spa_arms.__main__ import main
+
+    monkeypatch.setattr(experiment, "run_jobs", must_not_run)
+    assert main(["all", "--out", str(tmp_path / "arms"), *args]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1
+    assert not (tmp_path / "arms").exists()
