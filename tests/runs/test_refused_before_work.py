@@ -75,7 +75,8 @@ def sft_config(data: Path, out: Path, *overrides: str):
     ("data.train_batch_size=0", "data.train_batch_size must be >= 1, got 0"),
     ("optim.betas=0.9", "optim.betas must be a list of numbers such as optim.betas=[0.9,0.95], got 0.9"),
 ])
-def test_sft_refuses_a_bad_setting_before_reading_data(datasets, tmp_path, override, message):
+def test_sft_refuses_a_bad_setting_before_reading_data(monkeypatch, datasets, tmp_path, override, message):
+    monkeypatch.setattr(SftTrainer, "_build_data", must_not_run)
     with pytest.raises(ValueError, match=f"^{message.replace('[', '.').replace(']', '.')}$"):
         SftTrainer(sft_config(datasets / "_2_sokoban", tmp_path / "sft", override)).preflight()
 
