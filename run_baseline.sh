@@ -8,8 +8,7 @@
 #   EVAL_DIR (./evals/<experiment>). Ends like run_spa.sh: the model evaluated before and after PPO, a summary
 #   beside the paper's rows, and where everything was written.
 set -euo pipefail
-cd "$(dirname "$0")"
-. scripts/common.sh
+. "$(dirname "$0")/scripts/common.sh"
 
 [ $# -ge 1 ] || die "usage: bash run_baseline.sh <config> [overrides...]"
 CONFIG_NAME="$1"; shift
@@ -24,10 +23,13 @@ export MODEL RENDER_MODE
 MODEL_PATH="$(python -c "from SPA_agent.config import compose; print(compose('$CONFIG_NAME', ['model=$(model_preset "$MODEL")']).model_path)")"
 EXPERIMENT_NAME="${CONFIG_NAME}-${MODEL}-${RENDER_MODE}-${EXPERIMENT}"
 RUN_DIR="${BASE_DIR:-./checkpoints}/$CONFIG_NAME/$EXPERIMENT_NAME"
-echo "== PPO from $MODEL_PATH -> $RUN_DIR"
-bash ./train_ppo_sfted.sh "$CONFIG_NAME" "$MODEL_PATH" "$EXPERIMENT_NAME" "$@"
-
 EVAL_DIR="${EVAL_DIR:-./evals/$EXPERIMENT_NAME}"
+# The evaluations' settings are checked with PPO's, before PPO runs (scripts/common.sh check_stages).
+check_stages "$(SPA_PRINT_STAGE=1 bash "$SPA_REPO/train_ppo_sfted.sh" "$CONFIG_NAME" "$MODEL_PATH" "$EXPERIMENT_NAME" "$@")" \
+    "$(evaluation_args "$CONFIG_NAME" "$MODEL_PATH" "$EVAL_DIR/before_ppo" "$(default_generator)" "$@")"
+echo "== PPO from $MODEL_PATH -> $RUN_DIR"
+bash "$SPA_REPO/train_ppo_sfted.sh" "$CONFIG_NAME" "$MODEL_PATH" "$EXPERIMENT_NAME" "$@"
+
 evaluate_before_after "$CONFIG_NAME" "$MODEL_PATH" "$RUN_DIR" "$EVAL_DIR" "$@"
 echo "== done. Outputs:"
 print_ppo_outputs "$RUN_DIR" "$EVAL_DIR"

@@ -20,8 +20,7 @@
 # random generator for its data and uses the SFT settings of docs/small_model.md; so does MODEL=smollm2-135m
 # (SmolLM2-135M-Instruct from a package, docs/smollm2.md), with 2 SFT epochs at the paper's lr.
 set -euo pipefail
-cd "$(dirname "$0")"
-. scripts/common.sh
+. "$(dirname "$0")/scripts/common.sh"
 
 [ $# -ge 1 ] || die "usage: bash run_spa.sh <config> [ckpt=last] [generate_data=False] [overrides...]"
 CONFIG_NAME="$1"; CKPT="${2:-last}"; GENERATE_DATA="${3:-False}"; shift $(( $# < 3 ? $# : 3 ))
@@ -62,29 +61,55 @@ OUTPUT_DIR="${OUTPUT_DIR:-./sftdata/${CONFIG_NAME}-${MODEL}-${RENDER_MODE}${EXP_
 CHECKPOINT_DIR="${CHECKPOINT_DIR:-./sftckpt/checkpoints${CONFIG_NAME}-${MODEL}-${RENDER_MODE}-$(model_family "$MODEL")${EXP_SFT_SUFFIX}}"
 export MODEL RENDER_MODE NGPUS
 
+DATA_STAGE=(-m SPA_agent.generate_sft_data --config-name "$CONFIG_NAME" model="$PRESET" render_mode="$RENDER_MODE"
+            generator="$GENERATOR" data_gen.num_batches="$BT_NUM" data_gen.output_dir="$OUTPUT_DIR"
+            data_gen.resume="$DATA_RESUME" "$@")
+# shellcheck disable=SC2086
+SFT_STAGE=("$CONFIG_NAME" "$(( NGPUS > 0 ? NGPUS : 1 ))" "$CHECKPOINT_DIR" "$OUTPUT_DIR" "$MODEL" ${SFT_OVERRIDES:-})
+USER_EVAL_DIR="${EVAL_DIR:-}"
+
+# sft_checkpoint: the SFT checkpoint PPO starts from (CKPT: last, or a step number).
+sft_checkpoint() {
+    if [ "$CKPT" = last ] || [ -z "$CKPT" ]; then
+        latest_checkpoint "$CHECKPOINT_DIR"
+    else
+        [ -d "$CHECKPOINT_DIR/global_step_$CKPT" ] || die "no checkpoint '$CHECKPOINT_DIR/global_step_$CKPT'"
+        echo "$CHECKPOINT_DIR/global_step_$CKPT"
+    fi
+}
+
+# ppo_names CKPT_PATH: EXPERIMENT_NAME, RUN_DIR and EVAL_DIR of the PPO run from that checkpoint.
+ppo_names() {
+    EXPERIMENT_NAME="${CONFIG_NAME}-${MODEL}-${RENDER_MODE}-${EXPERIMENT}-$(basename "$1")"
+    RUN_DIR="${BASE_DIR:-./checkpoints}/$CONFIG_NAME/$EXPERIMENT_NAME"
+    EVAL_DIR="${USER_EVAL_DIR:-./evals/$EXPERIMENT_NAME}"
+}
+
+# Every stage's settings are checked before the first stage runs, with the commands the stages will run (the SFT
+# checkpoint that stage 2 will make stands in for itself): a bad one is one line, and nothing has run.
+CKPT_PATH="$CHECKPOINT_DIR/global_step_${CKPT/last/N}"
+[ "$GENERATE_DATA" = True ] || CKPT_PATH="$(sft_checkpoint)"
+ppo_names "$CKPT_PATH"
+STAGES=()
+if [ "$GENERATE_DATA" = True ]; then
+    STAGES+=("$(printf '%s\n' "${DATA_STAGE[@]}")" "$(SPA_PRINT_STAGE=1 bash "$SPA_REPO/sft/finetune_ft.sh" "${SFT_STAGE[@]}")")
+fi
+STAGES+=("$(SPA_PRINT_STAGE=1 bash "$SPA_REPO/train_ppo_sfted.sh" "$CONFIG_NAME" "$CKPT_PATH" "$EXPERIMENT_NAME" "$@")"
+         "$(evaluation_args "$CONFIG_NAME" "$CKPT_PATH" "$EVAL_DIR/before_ppo" "$(default_generator)" "$@")")
+check_stages "${STAGES[@]}"
+
 if [ "$GENERATE_DATA" = True ]; then
     echo "== stage 1: self-play data ($GENERATOR, $BT_NUM batches) -> $OUTPUT_DIR"
-    python -m SPA_agent.generate_sft_data --config-name "$CONFIG_NAME" model="$PRESET" \
-        render_mode="$RENDER_MODE" generator="$GENERATOR" data_gen.num_batches="$BT_NUM" \
-        data_gen.output_dir="$OUTPUT_DIR" data_gen.resume="$DATA_RESUME" "$@"
+    python "${DATA_STAGE[@]}"
     echo "== stage 2: world-model SFT -> $CHECKPOINT_DIR"
-    # shellcheck disable=SC2086
-    bash sft/finetune_ft.sh "$CONFIG_NAME" "$(( NGPUS > 0 ? NGPUS : 1 ))" "$CHECKPOINT_DIR" "$OUTPUT_DIR" "$MODEL" ${SFT_OVERRIDES:-}
+    bash "$SPA_REPO/sft/finetune_ft.sh" "${SFT_STAGE[@]}"
+    CKPT_PATH="$(sft_checkpoint)"
+    ppo_names "$CKPT_PATH"
 fi
 
-if [ "$CKPT" = last ] || [ -z "$CKPT" ]; then
-    CKPT_PATH="$(latest_checkpoint "$CHECKPOINT_DIR")"
-else
-    CKPT_PATH="$CHECKPOINT_DIR/global_step_$CKPT"
-    [ -d "$CKPT_PATH" ] || die "no checkpoint '$CKPT_PATH'"
-fi
-
-EXPERIMENT_NAME="${CONFIG_NAME}-${MODEL}-${RENDER_MODE}-${EXPERIMENT}-$(basename "$CKPT_PATH")"
-RUN_DIR="${BASE_DIR:-./checkpoints}/$CONFIG_NAME/$EXPERIMENT_NAME"
 echo "== stage 3: PPO from $CKPT_PATH -> $RUN_DIR"
-bash ./train_ppo_sfted.sh "$CONFIG_NAME" "$CKPT_PATH" "$EXPERIMENT_NAME" "$@"
+bash "$SPA_REPO/train_ppo_sfted.sh" "$CONFIG_NAME" "$CKPT_PATH" "$EXPERIMENT_NAME" "$@"
 
-EVAL_DIR="${EVAL_DIR:-./evals/$EXPERIMENT_NAME}"
 evaluate_before_after "$CONFIG_NAME" "$CKPT_PATH" "$RUN_DIR" "$EVAL_DIR" "$@"
 
 cat <<SUMMARY

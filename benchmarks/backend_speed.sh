@@ -30,6 +30,7 @@ case "${VOCAB:-}" in
     ""|full) ;;
     *) die "VOCAB takes full (or nothing: the tiny tokenizer's 860 ids), got '$VOCAB'" ;;
 esac
+[[ "$out" = /* ]] || out="$PWD/$out"  # the path as given, before the cd to the repository
 cd "$(dirname "$0")/.."
 mkdir -p "$out" "$work"
 gpus="$(nvidia-smi --list-gpus | grep -c GPU)"

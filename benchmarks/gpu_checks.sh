@@ -10,6 +10,7 @@
 set -uo pipefail
 out="${1:?usage: bash benchmarks/gpu_checks.sh <out_dir>}"
 mkdir -p "$out"
+[[ "$out" = /* ]] || out="$PWD/$out"  # the path as given, before the cd to the repository
 cd "$(dirname "$0")/.."
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 

@@ -1,7 +1,7 @@
 """Time one full rollout with the random generator: everything but generation (prompts, tokenization,
 parsing, env stepping, masks, scores).
 
-    python benchmarks/rollout_overhead.py [--config _2_sokoban] [--repeats 3] [--smoke]
+    python benchmarks/rollout_overhead.py [--config _2_sokoban] [--repeats 3] [--model smollm2-135m] [--smoke]
 
 Prints one JSON line per config: median and spread over repeats, in seconds per rollout, at the paper's
 batch (32 groups × 8 envs, 5 turns; `--smoke`: 4 × 2).
@@ -22,13 +22,13 @@ from SPA_agent.rollout.agent_proxy import LLMAgentProxy
 from SPA_agent.tiny import resolve_model_path
 
 
-def time_rollouts(config_name: str, repeats: int, smoke: bool, mode: str) -> dict:
-    overrides = ["model=tiny", "generator=random", f"ctx_manager.mode={mode}"]
+def time_rollouts(config_name: str, repeats: int, smoke: bool, mode: str, model: str = "tiny") -> dict:
+    overrides = [f"model={model}", "generator=random", f"ctx_manager.mode={mode}"]
     if not smoke:
         overrides += ["es_manager.train.env_groups=32", "es_manager.train.group_size=8",
                       "es_manager.train.env_configs.n_groups=[32]"]
     cfg = compose(config_name, overrides)
-    model_dir = resolve_model_path("tiny")
+    model_dir = resolve_model_path(model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     proxy = LLMAgentProxy(cfg, build_generator(cfg.generator, model_dir, tokenizer), tokenizer)
     proxy.rollout(val=False)  # warm-up
@@ -51,9 +51,11 @@ def main() -> None:
     parser.add_argument("--mode", default="add_worldmodel", choices=["base", "add_worldmodel"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="4 groups × 2 envs, one repeat")
+    parser.add_argument("--model", default="tiny", help="model preset whose tokenizer renders the prompts "
+                                                        "(tiny, small, smollm2-135m)")
     args = parser.parse_args()
     for config_name in args.config:
-        print(json.dumps(time_rollouts(config_name, 1 if args.smoke else args.repeats, args.smoke, args.mode)))
+        print(json.dumps(time_rollouts(config_name, 1 if args.smoke else args.repeats, args.smoke, args.mode, args.model)))
 
 
 if __name__ == "__main__":

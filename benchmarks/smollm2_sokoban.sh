@@ -12,8 +12,9 @@
 # Every PPO run: STEPS steps at actor/critic lr ACTOR_LR/CRITIC_LR, validation on 128 puzzles × VAL_SAMPLES every
 # TEST_FREQ steps (step 0 is the start model), checkpoints every TEST_FREQ steps. Logs: $OUT/logs/<arm>.log.
 set -euo pipefail
+OUT="${OUT:-smollm2_sokoban}"; [[ "$OUT" = /* ]] || OUT="$PWD/$OUT"  # relative to the caller's directory
 cd "$(dirname "$0")/.."
-OUT="${OUT:-smollm2_sokoban}"; STEPS="${STEPS:-40}"; TEST_FREQ="${TEST_FREQ:-10}"; VAL_SAMPLES="${VAL_SAMPLES:-4}"
+STEPS="${STEPS:-40}"; TEST_FREQ="${TEST_FREQ:-10}"; VAL_SAMPLES="${VAL_SAMPLES:-4}"
 ACTOR_LR="${ACTOR_LR:-1e-5}"; CRITIC_LR="${CRITIC_LR:-1e-4}"
 export MODEL=smollm2-135m
 mkdir -p "$OUT/logs"

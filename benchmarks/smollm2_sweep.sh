@@ -6,8 +6,9 @@
 #
 #   OUT=smollm2_sweep STEPS=60 bash benchmarks/smollm2_sweep.sh
 set -euo pipefail
+OUT="${OUT:-smollm2_sweep}"; [[ "$OUT" = /* ]] || OUT="$PWD/$OUT"  # relative to the caller's directory
 cd "$(dirname "$0")/.."
-OUT="${OUT:-smollm2_sweep}"; STEPS="${STEPS:-60}"; TEST_FREQ="${TEST_FREQ:-10}"; VAL_SAMPLES="${VAL_SAMPLES:-4}"
+STEPS="${STEPS:-60}"; TEST_FREQ="${TEST_FREQ:-10}"; VAL_SAMPLES="${VAL_SAMPLES:-4}"
 SETTINGS="${SETTINGS:-gae_lr3e-5 actor_rollout_ref.actor.optim.lr=3e-5 critic.optim.lr=1e-4
 gae_lr1e-4_kl actor_rollout_ref.actor.optim.lr=1e-4 critic.optim.lr=1e-4 actor_rollout_ref.actor.use_kl_loss=True actor_rollout_ref.actor.kl_loss_coef=0.05 actor_rollout_ref.actor.kl_loss_type=low_var_kl
 grpo_lr3e-5 algorithm.adv_estimator=grpo actor_rollout_ref.actor.optim.lr=3e-5}"

@@ -13,6 +13,7 @@ set -uo pipefail
 out="${1:?usage: bash benchmarks/verl_gpu_check.sh <out_dir> [FIRST] [TOTAL] [LOCAL_STEPS]}"
 first="${2:-3}" total="${3:-5}" local_steps="${4:-1}"
 work="${WORK:-/tmp/verl_gpu_check}"
+[[ "$out" = /* ]] || out="$PWD/$out"  # the path as given, before the cd to the repository
 cd "$(dirname "$0")/.."
 mkdir -p "$out" "$work"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"

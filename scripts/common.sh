@@ -1,6 +1,10 @@
 # Shared helpers of run_spa.sh, run_baseline.sh and train_ppo_sfted.sh (sourced, not executed).
 
 SPA_CONFIGS="_2_sokoban _3_frozen_lake _10_sudoku"
+# The scripts stay in the caller's directory, so that relative paths (arguments, OUTPUT_DIR, overrides) mean what
+# they mean there; they find their repository by its path, and run its code whatever the directory.
+SPA_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+export PYTHONPATH="$SPA_REPO${PYTHONPATH:+:$PYTHONPATH}"
 
 die() { echo "error: $*" >&2; exit 2; }
 
@@ -8,7 +12,7 @@ die() { echo "error: $*" >&2; exit 2; }
 check_config() {
     local name="$1" known
     for known in $SPA_CONFIGS; do [ "$name" = "$known" ] && return 0; done
-    [ -f "config/$name.yaml" ] && return 0
+    [ -f "$SPA_REPO/config/$name.yaml" ] && return 0
     die "unknown config '$name'; choose one of: $SPA_CONFIGS"
 }
 
@@ -102,20 +106,47 @@ load_experiment() {
     eval "$settings"
 }
 
+# run_stage ARGS...: `python ARGS...`, a stage's entry point; with SPA_PRINT_STAGE=1 its arguments are printed
+# instead, one a line, for check_stages.
+run_stage() { if [ -n "${SPA_PRINT_STAGE:-}" ]; then printf '%s\n' "$@"; else python "$@"; fi; }
+
+# check_stages STAGE...: each STAGE the python arguments of one stage, one a line (what run_stage prints); every
+# stage's config composed and checked by its own checks in one process (SPA_agent/pipeline_check.py), before the
+# first stage runs: a setting only a later stage reads is one line, not a failure after the earlier stages.
+check_stages() {
+    local args=() stage lines
+    for stage in "$@"; do
+        mapfile -t lines <<< "$stage"
+        [ ${#args[@]} -eq 0 ] || args+=(--then)
+        args+=("${lines[@]}")
+    done
+    python -m SPA_agent.pipeline_check "${args[@]}"
+}
+
+# evaluation_args CONFIG MODEL_PATH OUT_DIR GENERATOR [overrides...]: the python arguments of one evaluation of
+# evaluate_before_after, one a line. Reads MODEL and RENDER_MODE.
+evaluation_args() {
+    local config="$1" model_path="$2" out_dir="$3" generator="$4"
+    shift 4
+    printf '%s\n' -m SPA_agent.evaluate --config-name "$config" model="$(model_preset "$MODEL")" \
+        model_path="$model_path" render_mode="$RENDER_MODE" generator="$generator" evaluation.output_dir="$out_dir" \
+        evaluation.overwrite=true "$@"
+}
+
 # evaluate_before_after CONFIG BEFORE_MODEL RUN_DIR EVAL_DIR [overrides...]: evaluate BEFORE_MODEL and the final
 # actor of the PPO run RUN_DIR into EVAL_DIR/{before_ppo,after_ppo}, then write EVAL_DIR/summary.md (our rows
 # beside the paper's); a rerun replaces the evaluations there (evaluation.overwrite=true). Reads MODEL and RENDER_MODE.
 evaluate_before_after() {
-    local config="$1" before="$2" run_dir="$3" eval_dir="$4" generator final which model_path
+    local config="$1" before="$2" run_dir="$3" eval_dir="$4" generator final which model_path text args
     shift 4
     generator="$(default_generator)"
     final="$(latest_checkpoint "$run_dir")/actor"
     echo "== evaluation ($generator): before PPO ($before) and after PPO ($final) -> $eval_dir"
     for which in before_ppo after_ppo; do
         model_path="$before"; [ "$which" = after_ppo ] && model_path="$final"
-        python -m SPA_agent.evaluate --config-name "$config" model="$(model_preset "$MODEL")" \
-            model_path="$model_path" render_mode="$RENDER_MODE" generator="$generator" \
-            evaluation.output_dir="$eval_dir/$which" evaluation.overwrite=true "$@"
+        text="$(evaluation_args "$config" "$model_path" "$eval_dir/$which" "$generator" "$@")"
+        mapfile -t args <<< "$text"
+        python "${args[@]}"
     done
     local paper_args=(); case "$MODEL" in tiny|small|smollm2-135m) ;; *) paper_args=(--paper-model "$MODEL") ;; esac  # not in the paper
     python -m SPA_agent.report "$eval_dir/before_ppo" "$eval_dir/after_ppo" "$run_dir" "${paper_args[@]}" \

@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 
 from SPA_agent.runs import atomic_io
 from SPA_agent.runs.dir_lock import DirLock
-from SPA_agent.selfplay.data_card import CARD_FILE
+from SPA_agent.selfplay.data_card import CARD_FILE, describe_files
 from SPA_agent.worldmodel import has_worldmodel_format
 
 SPLITS = ("wm_train", "wm_val")
@@ -107,7 +107,8 @@ def filter_dir(
             "stage": "filtered SFT data (sft/filter_sft_by_tag.py)", "source": str(input_dir),
             "source_card": json.loads(source_card.read_text(encoding="utf-8")) if source_card.is_file() else None,
             "filter": {"min_len": min_len, "max_len": max_len, "dedup": dedup},
-            "splits": {split: asdict(s) for split, s in stats.items()}})
+            "splits": {split: asdict(s) for split, s in stats.items()},
+            "files": describe_files(output_dir, [f"{split}.parquet" for split in SPLITS])})
     return stats
 
 

@@ -35,8 +35,8 @@ if ! [[ "$nproc_per_node" =~ ^[1-9][0-9]*$ ]]; then
     echo "error: nproc_per_node must be a positive integer, got '$nproc_per_node'" >&2
     exit 2
 fi
-for split in train val; do
-    if [[ ! -f "$data_path/wm_$split.parquet" ]]; then
+for split in train val; do  # (not yet made when run_spa.sh checks every stage first: SPA_PRINT_STAGE=1)
+    if [[ -z "${SPA_PRINT_STAGE:-}" && ! -f "$data_path/wm_$split.parquet" ]]; then
         echo "error: $data_path/wm_$split.parquet not found: run stage 1 first or fix <data_path>" >&2
         exit 2
     fi
@@ -88,10 +88,18 @@ overrides=(
     "${card_check[@]}"
     "$@"
 )
+# SPA_PRINT_STAGE=1: print the trainer's arguments instead of training (run_spa.sh checks every stage's settings
+# before its first stage, scripts/common.sh check_stages).
+if [[ -n "${SPA_PRINT_STAGE:-}" ]]; then
+    printf '%s\n' -m sft.spa_sft_trainer "${overrides[@]}" trainer.preflight_nproc="$nproc_per_node"
+    exit 0
+fi
 # Check the config and data in one process first: a user error prints one line and exits with status 2.
 "$python" -m sft.spa_sft_trainer "${overrides[@]}" trainer.preflight_nproc="$nproc_per_node"
 
-mkdir -p "$save_path"
-# sft.launch is torchrun, ending on Ctrl-C with the ranks' one line; tee -i keeps that line in the log and terminal.
-"$python" -m sft.launch --standalone --nnodes=1 --nproc_per_node="$nproc_per_node" \
-    -m sft.spa_sft_trainer "${overrides[@]}" 2>&1 | tee -i ${append_log:+-a} "$save_path/train.log"
+# The lock of <save_path> is taken before anything is written there, its log included: a second run into the same
+# directory stops in one line instead of overwriting this run's train.log (SPA_agent/runs/locked_run.py). sft.launch
+# is torchrun, ending on Ctrl-C (or a rank's death) with one line instead of its traceback.
+"$python" -m SPA_agent.runs.locked_run --dir "$save_path" --log "$save_path/train.log" ${append_log:+--append} -- \
+    "$python" -m sft.launch --standalone --nnodes=1 --nproc_per_node="$nproc_per_node" \
+    -m sft.spa_sft_trainer "${overrides[@]}"

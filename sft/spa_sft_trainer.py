@@ -28,6 +28,7 @@ from torch.distributed.elastic.utils.distributed import get_free_port
 from tqdm import tqdm
 
 from sft import checkpointing as ckpt
+from sft.config_checks import check_sft_config
 from sft.fsdp_model import (
     full_state_dict,
     load_model,
@@ -50,7 +51,7 @@ from sft.spa_sft_dataset import SpaSftDataset
 from SPA_agent.entry import EXIT_INTERRUPTED, hydra_entry
 from SPA_agent.runs import atomic_io, checkpoint_dirs, run_identity
 from SPA_agent.runs.compile_cache import use_persistent_compile_cache
-from SPA_agent.runs.dir_lock import DirLock, check_unlocked, check_writable
+from SPA_agent.runs.dir_lock import HOLDER_ENV, DirLock, adopt_locks_of, check_unlocked, check_writable
 from SPA_agent.runs.lora import add_lora
 from SPA_agent.runs.metrics_logger import MetricsLogger
 from SPA_agent.runs.progress import BackgroundHeartbeat, progress_bar, quiet_library_progress
@@ -134,7 +135,7 @@ class SftTrainer:
     def preflight(self) -> None:
         """Check config, data (complete dataset, files, schema, lengths) and the output directory (no other
         writer, same run identity when resuming) without process groups, a model or any write."""
-        self._check_batch_sizes()
+        check_sft_config(self.cfg, self.world_size)
         wanted = self.cfg.trainer.device
         use_cuda = torch.cuda.is_available() if wanted == "auto" else wanted == "cuda"
         check_attention(self.cfg, use_cuda)
@@ -145,7 +146,7 @@ class SftTrainer:
 
     def setup(self) -> None:
         self.heartbeat.start()
-        self._check_batch_sizes()
+        check_sft_config(self.cfg, self.world_size)
         self.model_path = resolve_model_path(self.cfg.model.partial_pretrain)
         self._build_data()
         resume = self._check_output_dir()
@@ -204,17 +205,6 @@ class SftTrainer:
         summary = {name: report.as_dict() for name, report in reports.items()}
         atomic_io.write_json(self.out_dir / TRUNCATION_FILE, summary)
         return summary
-
-    def _check_batch_sizes(self) -> None:
-        data = self.cfg.data
-        per_rank_unit = self.world_size * (1 if data.packing else data.micro_batch_size_per_gpu)
-        if data.train_batch_size % per_rank_unit:
-            what = "ranks" if data.packing else "ranks × data.micro_batch_size_per_gpu"
-            raise ValueError(f"data.train_batch_size={data.train_batch_size} is not divisible by {what} = "
-                             f"{per_rank_unit}")
-        if data.packing and data.max_tokens_per_micro_batch < data.max_length:
-            raise ValueError(f"data.max_tokens_per_micro_batch={data.max_tokens_per_micro_batch} must be >= "
-                             f"data.max_length={data.max_length}")
 
     def _init_distributed(self) -> None:
         wanted = self.cfg.trainer.device
@@ -483,6 +473,8 @@ class SftTrainer:
 def main(cfg: DictConfig) -> None:
     """Entry point: reads torchrun's RANK/WORLD_SIZE/LOCAL_RANK; user errors exit with status 2."""
     die_with_launcher()
+    if HOLDER_ENV in os.environ:  # sft/finetune_ft.sh took the output directory's lock for this run
+        adopt_locks_of(int(os.environ[HOLDER_ENV]))
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     init_method = "env://" if "MASTER_ADDR" in os.environ else None

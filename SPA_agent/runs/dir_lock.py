@@ -16,6 +16,10 @@ import time
 from pathlib import Path
 
 LOCK_FILE = ".lock"
+#: set by SPA_agent.runs.locked_run for the command it runs: the pid whose locks that command holds as its own
+HOLDER_ENV = "SPA_LOCK_HOLDER"
+#: pids (of this host) of launchers whose locks this process counts as its own (`adopt_locks_of`)
+_launcher_pids: set[int] = set()
 
 
 class DirectoryLockedError(ValueError):
@@ -53,6 +57,17 @@ def is_stale(owner: dict) -> bool:
     return owner.get("host") == socket.gethostname() and not _pid_alive(int(owner.get("pid", -1)))
 
 
+def adopt_locks_of(pid: int) -> None:
+    """Count the locks held by process `pid`, this process's launcher (`python -m SPA_agent.runs.locked_run`),
+    as this process's own: they were taken for it before it started, so that nothing, not even the launcher's
+    log, was written into the directory without the lock."""
+    _launcher_pids.add(int(pid))
+
+
+def _is_launchers(owner: dict) -> bool:
+    return owner.get("host") == socket.gethostname() and owner.get("pid") in _launcher_pids
+
+
 def describe(directory: Path, owner: dict) -> str:
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(owner.get("started", 0)))
     return (f"{directory} is in use by pid {owner.get('pid')} on {owner.get('host')} (since {started}): wait for "
@@ -63,7 +78,8 @@ def describe(directory: Path, owner: dict) -> str:
 def check_unlocked(directory: Path) -> None:
     """Raise DirectoryLockedError if a live process holds the directory's lock (for readers and preflights)."""
     owner = read_owner(directory)
-    if owner is not None and not is_stale(owner) and owner.get("pid") != os.getpid():
+    if owner is not None and not is_stale(owner) and owner.get("pid") != os.getpid() \
+            and not _is_launchers(owner):
         raise DirectoryLockedError(describe(directory, owner))
 
 
@@ -107,6 +123,9 @@ class DirLock:
                     return self
                 except FileExistsError:
                     owner = read_owner(self.directory)
+                    if owner and _is_launchers(owner) and not is_stale(owner):  # its launcher took it for it
+                        self.held = True
+                        return self
                     if owner is not None and not is_stale(owner):
                         raise DirectoryLockedError(describe(self.directory, owner)) from None
                     self.path.unlink(missing_ok=True)

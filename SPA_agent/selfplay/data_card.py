@@ -4,16 +4,19 @@ states before ground-truth substitution (the paper's "self-belief" signal, Table
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
 from omegaconf import DictConfig
 
 from SPA_agent.generators import ACTION_SOURCES
 from SPA_agent.rollout.turns import transitions
 from SPA_agent.runs.dir_lock import check_unlocked
+from SPA_agent.runs.run_identity import file_checksum
 from SPA_agent.worldmodel import ACCURACY_KEYS, extract_states, has_worldmodel_format, turn_accuracy
 
 CARD_FILE = "data_card.json"  # written last: its presence marks a complete dataset
@@ -22,7 +25,7 @@ PARTIAL_DIR = ".partial"  # batch shards of an unfinished generation
 
 def check_dataset_complete(data_file: Path) -> None:
     """Raise ValueError unless the directory of `data_file` holds a complete dataset: its data card, no
-    unfinished generation (`.partial/`) and no live writer."""
+    unfinished generation (`.partial/`), no live writer, and `data_file` as the card describes it."""
     directory = Path(data_file).parent
     check_unlocked(directory)
     if (directory / PARTIAL_DIR).is_dir():
@@ -31,6 +34,52 @@ def check_dataset_complete(data_file: Path) -> None:
     if not (directory / CARD_FILE).is_file():
         raise ValueError(f"{directory} has no {CARD_FILE}, so it is not a complete stage-1 dataset (interrupted or "
                          "failed?): rerun stage 1, or set data.require_data_card=false for data made elsewhere")
+    check_dataset_files(data_file)
+
+
+def describe_files(directory: Path, names: Iterable[str]) -> dict[str, dict]:
+    """The card's record of the data files it describes: rows and checksum of each (`card["files"]`)."""
+    return {name: {"rows": pq.read_metadata(Path(directory) / name).num_rows,
+                   "sha256": file_checksum(Path(directory) / name)} for name in names}
+
+
+def _recorded_rows(card: Mapping, name: str) -> int | None:
+    """Rows of data file `name` by a card written before cards recorded their files (None when it does not say):
+    stage 1's num_train/num_val, the filter script's kept rows, spa_arms' data without world model."""
+    split = Path(name).stem
+    counts = {"wm_train": card.get("num_train"), "wm_val": card.get("num_val")}
+    if isinstance(card.get("splits"), Mapping):
+        counts |= {key: (value or {}).get("kept") for key, value in card["splits"].items()}
+    if isinstance(card.get("rows"), Mapping):
+        counts |= card["rows"]
+    return counts.get(split)
+
+
+def check_dataset_files(data_file: Path) -> None:
+    """Raise ValueError unless `data_file` is the file its data card describes: same checksum (cards that record
+    `files`), else, for older cards, the same number of rows and only the card's env tags. A file replaced by
+    another dataset's (FrozenLake rows under a Sokoban card) would otherwise train without a word."""
+    data_file = Path(data_file)
+    card = json.loads((data_file.parent / CARD_FILE).read_text(encoding="utf-8"))
+    redo = (f"regenerate the dataset (stage 1), or set data.require_data_card=false to train on "
+            f"{data_file.parent} as it is")
+    recorded = (card.get("files") or {}).get(data_file.name)
+    rows = pq.read_metadata(data_file).num_rows
+    if recorded is not None:
+        if file_checksum(data_file) != recorded["sha256"]:
+            raise ValueError(f"{data_file} is not the file its {CARD_FILE} describes ({rows} rows, the card "
+                             f"{recorded['rows']}; the checksum differs): replaced or edited after it was made? {redo}")
+        return
+    expected = _recorded_rows(card, data_file.name)
+    if expected is not None and rows != expected:
+        raise ValueError(f"{data_file} has {rows} rows but its {CARD_FILE} says {expected}: replaced or edited after "
+                         f"it was made? {redo}")
+    tags = card.get("env_tags")
+    if tags and "env_tag" in pq.read_schema(data_file).names:
+        found = set(pq.read_table(data_file, columns=["env_tag"]).column("env_tag").to_pylist())
+        if not found <= set(tags):
+            raise ValueError(f"{data_file} holds rows of {sorted(found - set(tags))} but its {CARD_FILE} describes "
+                             f"{tags}: replaced after it was made? {redo}")
 
 
 def check_dataset_config(data_file: Path, config_name: str) -> None:

@@ -45,10 +45,11 @@ import sys
 from dataclasses import asdict, fields
 from pathlib import Path
 
+from SPA_agent.pipeline_check import check_commands
 from SPA_agent.runs import atomic_io
 from SPA_agent.spa_arms.experiment import Experiment
 from SPA_agent.spa_arms.report import status_lines, write_report
-from SPA_agent.spa_arms.settings import ARMS, HELP, Settings, StageError, load_settings
+from SPA_agent.spa_arms.settings import ARMS, HELP, Settings, StageError, check_settings, load_settings
 
 #: command-line flags that are not the field name with dashes (`from` is a Python keyword)
 FLAGS = {"from_dir": "--from"}
@@ -117,11 +118,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.stage == "status":
             print("\n".join(status_lines(exp)))
             return 0
+        if args.stage != "report":  # every stage's settings, before the first one starts or anything is written
+            check_settings(settings)
+            check_commands(exp.planned_commands())
         exp.link_source()
         exp.out.mkdir(parents=True, exist_ok=True)
         atomic_io.write_json(exp.out / "settings.json", asdict(settings))
         STAGES[args.stage](exp)
-    except StageError as err:
+    except (StageError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

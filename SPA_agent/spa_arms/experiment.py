@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from SPA_agent.runs import atomic_io
-from SPA_agent.selfplay.data_card import CARD_FILE
+from SPA_agent.selfplay.data_card import CARD_FILE, describe_files
 from SPA_agent.selfplay.data_variants import without_worldmodel_row
 from SPA_agent.spa_arms.settings import ARMS, Settings, StageError
 
@@ -108,8 +108,8 @@ class Experiment:
             f"trainer.default_local_dir={out}", f"trainer.experiment_name={arm}", "trainer.resume=auto",
             *shlex.split(self.s.sft_overrides)], self.sft_marker(arm).is_file, record_checkpoint)
 
-    def ppo_job(self, arm: str) -> Job:
-        checkpoint = self.sft_checkpoint(arm)
+    def ppo_job(self, arm: str, checkpoint: Path | None = None) -> Job:
+        checkpoint = checkpoint or self.sft_checkpoint(arm)
         if checkpoint is None:
             raise StageError(f"arm {arm} has no SFT checkpoint ({self.sft_marker(arm)}): run the sft stage first")
         g = self.s.val_groups
@@ -136,6 +136,15 @@ class Experiment:
             *self._overrides(self.s.eval_overrides)],
             lambda: (result := read_eval(out)) is not None
             and Path(result["model_path"]).parts[-len(relative.parts):] == relative.parts)
+
+    def planned_commands(self) -> list[list[str]]:
+        """The command of every job of every stage, for checking their settings before the first one runs
+        (SPA_agent/pipeline_check.py); checkpoints that the sft stage will make stand in for themselves."""
+        stand_in = {arm: self.sft_dir(arm) / "global_step_N" for arm in self.s.arms}
+        jobs = [self.data_job(), *(self.sft_job(arm) for arm in self.s.arms),
+                *(self.ppo_job(arm, stand_in[arm]) for arm in self.s.arms),
+                *(self.wm_job(arm, "sft", stand_in[arm]) for arm in self.s.arms)]
+        return [job.argv for job in jobs]
 
     # ------------------------------------------------------------------ --from
     def link_source(self) -> None:
@@ -229,7 +238,7 @@ def write_without_worldmodel(source: Path, target: Path, settings: Settings) -> 
         counts[split] = len(rows)
     atomic_io.write_json(target / CARD_FILE, {
         "stage": "world-model rows without world model (SPA_agent.selfplay.data_variants.without_worldmodel_row)",
-        "source": source.name, "rows": counts,
+        "source": source.name, "rows": counts, "files": describe_files(target, [f"{split}.parquet" for split in SPLITS]),
         "source_card": json.loads((source / CARD_FILE).read_text(encoding="utf-8"))})
     print(f"data without world model written to {target} ({counts})", flush=True)
 

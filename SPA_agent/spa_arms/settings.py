@@ -67,6 +67,22 @@ class Settings:
     from_dir: str = ""
 
 
+#: the least value of each integer setting (a 0 would start the data and SFT stages, then fail or do nothing)
+MINIMA = {"data_batches": 1, "sft_epochs": 1, "sft_save_freq": 1, "ppo_steps": 1, "test_freq": 1, "save_freq": 1,
+          "val_groups": 1, "val_group_size": 1, "wm_puzzles": 1, "max_parallel": 1}
+
+
+def check_settings(settings: Settings) -> None:
+    """Raise StageError naming the command-line flag of the first setting out of range, before any stage runs."""
+    for name, low in MINIMA.items():
+        if getattr(settings, name) < low:
+            raise StageError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(settings, name)}")
+    if not settings.sft_lr > 0:
+        raise StageError(f"--sft-lr must be > 0, got {settings.sft_lr}")
+    if any(not d.strip().isdigit() for d in settings.devices.split(",") if settings.devices):
+        raise StageError(f"--devices takes comma-separated GPU ids such as 0,1, got {settings.devices!r}")
+
+
 def read_settings(directory: Path) -> dict:
     """settings.json of an experiment directory, {} where there is none."""
     path = directory / "settings.json"

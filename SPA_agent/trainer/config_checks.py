@@ -5,7 +5,7 @@ from __future__ import annotations
 from omegaconf import DictConfig
 from verl.trainer.ppo import core_algos
 
-from SPA_agent.entry import check_choice, check_rollout_settings
+from SPA_agent.entry import check_choice, check_list, check_numbers, check_rollout_settings
 from SPA_agent.rollout.parsing import MODES as PROMPT_MODES
 from SPA_agent.trainer.algos import ADV_ESTIMATORS, ROLLOUT_FILTERS
 from SPA_agent.trainer.backend import BACKENDS
@@ -14,14 +14,49 @@ RESUME_MODES = ("auto", "disable")
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
+#: numbers the trainer reads, `(key, low, high, integer)`: a string or a value out of range is one line naming the
+#: key before any model is loaded (an `lr=abc` used to fail in the optimizer, after the models were built)
+NUMBERS = (
+    ("trainer.n_gpus_per_node", 1, None, True), ("trainer.nnodes", 1, None, True), ("trainer.seed", 0, None, True),
+    ("trainer.save_freq", -1, None, True), ("trainer.test_freq", -1, None, True),
+    ("trainer.validation_steps", 0, None, True), ("trainer.critic_warmup", 0, None, True),
+    ("trainer.max_actor_ckpt_to_keep", 1, None, True), ("trainer.max_critic_ckpt_to_keep", 1, None, True),
+    *((f"{role}.{key}", low, high, integer) for role in ("actor_rollout_ref.actor", "critic") for key, low, high, integer in (
+        ("ppo_mini_batch_size", 1, None, True), ("ppo_micro_batch_size_per_gpu", 1, None, True),
+        ("ppo_max_token_len_per_gpu", 1, None, True), ("ppo_epochs", 1, None, True), ("grad_clip", 0, None, False),
+        ("optim.lr", 0, None, False), ("optim.weight_decay", 0, None, False),
+        ("optim.lr_warmup_steps_ratio", 0, 1, False))),
+    ("critic.cliprange_value", 0, None, False),
+    *((f"actor_rollout_ref.actor.{key}", 0, None, False) for key in (
+        "clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "kl_loss_coef")),
+    ("actor_rollout_ref.actor.entropy_coeff", float("-inf"), None, False),
+    ("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", 1, None, True),
+    ("actor_rollout_ref.rollout.rollout_filter_ratio", 0, 1, False),
+    ("actor_rollout_ref.rollout.temperature", 0, None, False), ("actor_rollout_ref.rollout.top_p", 0, 1, False),
+    ("algorithm.gamma", 0, 1, False), ("algorithm.lam", 0, 1, False), ("algorithm.high_level_gamma", 0, 1, False),
+    ("algorithm.kl_ctrl.kl_coef", 0, None, False),
+    ("trainer.diagnostics.mi_freq", 0, None, True), ("trainer.diagnostics.mi_samples", 0, None, True),
+)
+
+
 def check_config(cfg: DictConfig) -> None:
     """Raise ValueError naming the offending keys if the config cannot train."""
     check_rollout_settings(cfg)
+    _check_types(cfg)
     check_choice(cfg, "ctx_manager.mode", PROMPT_MODES)
     _check_backend(cfg)
     _check_batch_sizes(cfg)
     _check_algorithm(cfg)
     _check_trainer(cfg)
+
+
+def _check_types(cfg: DictConfig) -> None:
+    """Every number in NUMBERS, the optimizers' betas and the loggers, before the checks below compute with them."""
+    check_numbers(cfg, NUMBERS)
+    for role in ("actor_rollout_ref.actor", "critic"):
+        if len(betas := check_list(cfg, f"{role}.optim.betas", float, "[0.9,0.999]")) != 2:
+            raise ValueError(f"{role}.optim.betas must hold two numbers, got {betas}")
+    check_list(cfg, "trainer.logger", str, "[console]")
 
 
 def _check_backend(cfg: DictConfig) -> None:

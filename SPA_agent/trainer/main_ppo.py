@@ -29,6 +29,7 @@ from SPA_agent.entry import (
     exit_on_user_error,
     hydra_entry,
     load_tokenizer,
+    model_load_errors,
 )
 from SPA_agent.runs import run_identity
 from SPA_agent.runs.atomic_io import write_text
@@ -84,14 +85,10 @@ def _schedule_uses_total_steps(cfg: DictConfig) -> bool:
 
 def load_backend(cfg: DictConfig, tokenizer):
     """The worker group; a model directory that cannot be loaded (corrupt weights or config) is a user error."""
-    from safetensors import SafetensorError
-
     from SPA_agent.trainer.backend import build_backend
 
-    try:
+    with model_load_errors(cfg.actor_rollout_ref.model.path):
         return build_backend(cfg, tokenizer)
-    except (OSError, SafetensorError) as err:
-        raise ValueError(f"cannot load the model {cfg.actor_rollout_ref.model.path}: {err}") from None
 
 
 def build_trainer(cfg: DictConfig, lock: DirLock):
