@@ -292,7 +292,7 @@ def test_evaluation_refuses_to_replace_another_models_evaluation(monkeypatch, ca
     monkeypatch.undo()
     monkeypatch.setattr(sys, "argv", ["evaluate", *small, "evaluation.overwrite=true"])
     evaluate.main()  # replaced as asked; then the same model again needs no flag
-    assert json.loads((out / "eval.json").read_text())["model_name"] == "tiny"
+    assert json.loads((out / "eval.json").read_text())["model_name"] == "random"  # evaluations of the random generator are named after it
     monkeypatch.setattr(sys, "argv", ["evaluate", *small])
     evaluate.main()
 
