@@ -75,7 +75,8 @@ def overrides(args, out_dir: Path) -> list[str]:
             f"trainer.default_local_dir={out_dir}", "trainer.logger=[]", f"es_manager.val.group_size={args.val_samples}", "trainer.validation_steps=1",
             *(["trainer.device=cpu", "es_manager.train.env_groups=4", "es_manager.train.group_size=2",
                "es_manager.train.env_configs.n_groups=[4]", "es_manager.val.env_groups=2",
-               "es_manager.val.env_configs.n_groups=[2]", "ppo_mini_batch_size=2", "agent_proxy.max_turn=2"]
+               "es_manager.val.env_configs.n_groups=[2]", "ppo_mini_batch_size=2", "agent_proxy.max_turn=2",
+               "actor_rollout_ref.rollout.response_length=16", "generator.decoder=static"]
               if args.smoke else []),
             *args.override]
 

@@ -133,6 +133,9 @@ def test_run_baseline_trains_from_the_base_model_and_prints_the_summary(tmp_path
     ("benchmarks/backend_speed.sh", ("/nonexistent/out",), {"BACKENDS": "local vllm"},
      "BACKENDS takes local and/or verl, got 'vllm'"),
     ("benchmarks/backend_speed.sh", ("/nonexistent/out",), {"VOCAB": "qwen"}, "VOCAB takes full"),
+    ("benchmarks/smollm2_step.sh", (), {}, "usage: bash benchmarks/smollm2_step.sh <out>"),
+    ("benchmarks/smollm2_step.sh", ("/nonexistent/out", "/nonexistent/data"), {},
+     "'/nonexistent/data' holds no wm_train.parquet"),
 ])
 def test_scripts_report_user_errors_in_one_line(script, args, env, message):
     result = _run(script, *args, env=env, timeout=120)

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Issue 42 on one GPU, in one command: SmolLM2's SFT epoch and PPO step, timed stage by stage.
+#
+#   bash benchmarks/smollm2_step.sh <out> [data_dir] [smollm2_step.py arguments...]
+#
+# Stages, each under a time limit and logged to <out>/<stage>.log, with one line `<stage> <seconds> <exit status>`
+# appended to <out>/times.tsv as it ends (so a run cut short still says how far it got):
+#   check    python, torch, CUDA and this package import (60 s): a host that hangs shows it here, not later
+#   convert  the SmolLM2 GGUF into the cache (python -m SPA_agent.smollm2; SPA_SMOLLM2_GGUF names the file)
+#   data     random-action self-play data for Sokoban (skipped when [data_dir] is given)
+#   sft      one SFT epoch through sft/finetune_ft.sh, start-up included (the issue's ≤ 60 s), with SFT_OVERRIDES
+#   step     benchmarks/smollm2_step.py from the SFT checkpoint: PPO steps and one validation of 128 × 4
+# Environment: SFT_OVERRIDES (extra SFT overrides, space separated), STEP_TIMEOUT (s, 900), SFT_TIMEOUT (s, 900).
+set -uo pipefail
+[ $# -ge 1 ] || { echo "usage: bash benchmarks/smollm2_step.sh <out> [data_dir] [smollm2_step.py arguments...]" >&2; exit 2; }
+DATA="${2:-}"
+[ -z "$DATA" ] || [ -f "$DATA/wm_train.parquet" ] || { echo "error: '$DATA' holds no wm_train.parquet" >&2; exit 2; }
+[ -z "$DATA" ] || DATA="$(cd "$DATA" && pwd)"
+OUT="$(mkdir -p "$1" && cd "$1" && pwd)" || exit 2
+shift $(( $# < 2 ? $# : 2 ))
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONHASHSEED=10000
+: > "$OUT/times.tsv"
+
+# stage NAME LIMIT COMMAND...: run COMMAND under LIMIT seconds into <out>/NAME.log; record its time and status.
+stage() {
+    local name="$1" limit="$2" start status
+    shift 2
+    start=$EPOCHREALTIME
+    echo "== $name (at most $limit s)"
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    status=$?
+    awk -v n="$name" -v a="$start" -v b="$EPOCHREALTIME" -v s="$status" 'BEGIN { printf "%s\t%.1f\t%s\n", n, b - a, s }' \
+        >> "$OUT/times.tsv"
+    [ "$status" -eq 0 ] || { echo "error: stage $name ended with status $status; see $OUT/$name.log" >&2; exit 1; }
+}
+
+stage check 60 python -c "import torch, SPA_agent.smollm2, SPA_agent.trainer.main_ppo; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())"
+stage convert 300 python -m SPA_agent.smollm2
+if [ -z "$DATA" ]; then
+    DATA="$OUT/data"
+    stage data 300 python -m SPA_agent.generate_sft_data --config-name _2_sokoban model=smollm2-135m generator=random \
+        data_gen.num_batches=5 data_gen.output_dir="$DATA"
+fi
+# shellcheck disable=SC2086
+stage sft "${SFT_TIMEOUT:-900}" bash sft/finetune_ft.sh _2_sokoban 1 "$OUT/sft" "$DATA" smollm2-135m \
+    trainer.total_epochs=1 ${SFT_OVERRIDES:-}
+CKPT="$(ls -d "$OUT"/sft/global_step_* | sort -V | tail -1)"
+stage step "${STEP_TIMEOUT:-900}" python benchmarks/smollm2_step.py --model-path "$CKPT" --json "$OUT/step.json" "$@"
+cat "$OUT/times.tsv"

@@ -1,0 +1,38 @@
+"""benchmarks/smollm2_step.py at CI size (--smoke: the tiny model on CPU through the static decoder), so the script
+cannot rot."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PHASES = {"gen", "filter", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor"}
+
+
+@pytest.mark.slow
+def test_smoke_run_times_every_phase_and_the_decoder(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "benchmarks/smollm2_step.py", "--smoke", "--steps", "2", "--json", str(tmp_path / "s.json")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert json.loads((tmp_path / "s.json").read_text()) == lines
+    steps = [line for line in lines if line["metric"] == "step"]
+    assert [line["step"] for line in steps] == [1, 2]
+    for step in steps:
+        assert PHASES <= {key.removeprefix("timing_s/") for key in step}
+        assert 0 < step["gen_model_s"] <= step["timing_s/gen"]
+        assert step["gen_calls"] == 2 and step["gen_sequences"] == 16  # 2 turns × 8 trajectories
+        assert 0 < step["sampled_tokens"] <= 16 * 16  # 16 sequences × at most 16 new tokens
+        assert step["prefill_tokens"] > 0 and 0 < step["decode_steps"] <= 2 * 15  # ≤ 15 feeds a turn
+    validation = next(line for line in lines if line["metric"] == "validation")
+    assert validation["gen_sequences"] == 2 * 4 * 2  # 2 puzzles × 4 samples × 2 turns
+    summary = lines[-1]
+    assert summary["metric"] == "summary" and summary["steady_steps"] == 1
+    assert summary["total"] == steps[1]["timing_s/step"]
