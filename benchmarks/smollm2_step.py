@@ -9,7 +9,7 @@ rest of `gen` is the rollout's host work: prompts, parsing, env steps, the batch
 of each phase over the steady steps (all but the first), their sum (`total`) and the validation's seconds.
 
     python benchmarks/smollm2_step.py --model-path <sft checkpoint> --steps 4 --json out.json
-    python benchmarks/smollm2_step.py --model-path <dir> --profile gen    # + the kernel table of one rollout
+    python benchmarks/smollm2_step.py --model-path <dir> --profile step   # + operator tables of one more step
     python benchmarks/smollm2_step.py --smoke                             # CI size: tiny model on CPU
 """
 
@@ -28,7 +28,7 @@ import torch
 from SPA_agent.config import compose
 from SPA_agent.runs.dir_lock import DirLock
 from SPA_agent.trainer.main_ppo import build_trainer
-from SPA_agent.trainer.metrics import PhaseTimer, operator_table
+from SPA_agent.trainer.metrics import PhaseTimer
 
 
 def sync() -> None:
@@ -68,6 +68,23 @@ class TimedGenerator:
         return row
 
 
+def profiled(trainer, what: str, step: int) -> None:
+    """One more rollout or PPO step under torch's profiler; prints its operator tables."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        if what == "gen":
+            trainer.proxy.rollout(val=False)
+        else:
+            trainer.train_step(step, PhaseTimer())
+        sync()
+    averages = prof.key_averages()
+    for sort in (("self_cuda_time_total",) if torch.cuda.is_available() else ()) + ("self_cpu_time_total",):
+        print(f"profile of one {what} by {sort}\n"
+              f"{averages.table(sort_by=sort, row_limit=30, max_name_column_width=80)}", flush=True)
+
+
 def overrides(args, out_dir: Path) -> list[str]:
     preset = [] if args.smoke else ["model=smollm2-135m"]
     return [*preset, f"model_path={args.model_path}", "ctx_manager.mode=base",
@@ -87,8 +104,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="PPO steps (the first is not steady state)")
     parser.add_argument("--val-samples", type=int, default=4, help="samples per validation puzzle (128 puzzles)")
     parser.add_argument("--no-val", action="store_true", help="skip the timed validation")
-    parser.add_argument("--profile", choices=("gen",), help="after the timed steps, one more rollout under the "
-                                                           "profiler: its kernel table by GPU and by CPU time")
+    parser.add_argument("--profile", choices=("gen", "step"),
+                        help="after the timed steps, one more rollout (gen) or PPO step (step) under torch's profiler: "
+                             "its operator tables by own GPU time and by own CPU time (the footers' totals tell how "
+                             "long the GPU sat idle)")
     parser.add_argument("--json", type=Path, help="also write every line to this file (a JSON list)")
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU, tiny batch (CI)")
     parser.add_argument("override", nargs="*", help="more config overrides (KEY=VALUE), applied last")
@@ -132,9 +151,8 @@ def main() -> None:
             emit({"metric": "validation", "episodes": 128 * args.val_samples if not args.smoke else None,
                   "seconds": round(time.perf_counter() - start, 3), **timed.take(),
                   "success": val.get("val-env/SimpleSokoban/success")})
-        if args.profile == "gen":
-            with operator_table("gen: by GPU time", rows=30):
-                trainer.proxy.rollout(val=False)
+        if args.profile:
+            profiled(trainer, args.profile, args.steps + 1)
             timed.take()
         lock.release()
     steady = steps[1:]

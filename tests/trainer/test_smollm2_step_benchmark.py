@@ -18,9 +18,11 @@ PHASES = {"gen", "filter", "old_log_prob", "ref", "values", "adv", "update_criti
 @pytest.mark.slow
 def test_smoke_run_times_every_phase_and_the_decoder(tmp_path):
     result = subprocess.run(
-        [sys.executable, "benchmarks/smollm2_step.py", "--smoke", "--steps", "2", "--json", str(tmp_path / "s.json")],
+        [sys.executable, "benchmarks/smollm2_step.py", "--smoke", "--steps", "2", "--profile", "step",
+         "--json", str(tmp_path / "s.json")],
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
+    assert "profile of one step by self_cpu_time_total" in result.stdout and "Self CPU time total" in result.stdout
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert json.loads((tmp_path / "s.json").read_text()) == lines
     steps = [line for line in lines if line["metric"] == "step"]
