@@ -35,8 +35,10 @@ stage() {
     [ "$status" -eq 0 ] || { echo "error: stage $name ended with status $status; see $OUT/$name.log" >&2; exit 1; }
 }
 
-stage check 60 python -c "import torch, SPA_agent.smollm2, SPA_agent.trainer.main_ppo; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())"
-stage convert 300 python -m SPA_agent.smollm2
+# -X importtime: a hang in an import shows as the last module in check.log
+stage check 60 python -X importtime -c "import torch, SPA_agent.smollm2, SPA_agent.trainer.main_ppo; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())"
+# faulthandler prints every thread's stack if the conversion is still running after 280 s
+stage convert 300 python -c "import faulthandler, runpy, sys; faulthandler.dump_traceback_later(280, exit=True); sys.argv = ['smollm2']; runpy.run_module('SPA_agent.smollm2', run_name='__main__')"
 if [ -z "$DATA" ]; then
     DATA="$OUT/data"
     stage data 300 python -m SPA_agent.generate_sft_data --config-name _2_sokoban model=smollm2-135m generator=random \
