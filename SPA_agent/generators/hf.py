@@ -167,6 +167,7 @@ class HFGenerator:
         cuda_graphs: bool = True,
         progress: bool = True,
         max_batch_tokens: int | str | None = None,
+        compile_decode_step: bool = False,
     ):
         if batch_size is not None and batch_size != "auto" and (not isinstance(batch_size, int) or batch_size < 1):
             raise ValueError(f"generator.batch_size must be a positive integer, auto or null, got {batch_size!r}")
@@ -184,6 +185,7 @@ class HFGenerator:
         self.batch_size = (None if on_gpu else CPU_BATCH_SIZE) if batch_size == "auto" else batch_size
         self.decoder = ("static" if on_gpu else "generate") if decoder == "auto" else decoder
         self.cuda_graphs = cuda_graphs and on_gpu
+        self.compile_decode_step = compile_decode_step
         self._static = None
         self._calls = 0
 
@@ -200,6 +202,7 @@ class HFGenerator:
             decoder=str(cfg.get("decoder", "auto")),
             cuda_graphs=bool(cfg.get("cuda_graphs", True)),
             progress=bool(cfg.get("progress", True)),
+            compile_decode_step=bool(cfg.get("compile_decode_step", False)),
         )
 
     @property
@@ -244,9 +247,8 @@ class HFGenerator:
         if self._static is None:
             from SPA_agent.generators.static_decode import StaticDecoder
 
-            self._static = StaticDecoder(
-                self.model, self.stop_ids, self.pad_id, use_cuda_graphs=self.cuda_graphs
-            )
+            self._static = StaticDecoder(self.model, self.stop_ids, self.pad_id, use_cuda_graphs=self.cuda_graphs,
+                                         compile_step=self.compile_decode_step)
         return self._static.generate(input_ids, attention_mask, self.sampling, generator).tolist()
 
     def _with_generate(

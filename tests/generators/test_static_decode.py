@@ -220,3 +220,22 @@ def test_decode_batches_follow_row_and_token_limits():
     assert decode_batches(lengths, 5, None, 50) == [[1, 3], [2], [0]]
     assert decode_batches(lengths, 5, None, 1) == [[1], [3], [2], [0]]  # each alone, even over the limit
     assert decode_batches(lengths, 5, None, 30, bucket=16) == [[1], [3], [2], [0]]  # widths 16 + 5 = 21 each
+
+
+@pytest.mark.slow
+def test_compiled_decode_step_samples_what_the_eager_step_samples(varied_model, tiny_tokenizer, prompts_of_lengths):
+    """generator.compile_decode_step: the same samples (float32, temperature 1), and one compiled graph for every
+    batch size and cache length (dynamic shapes), so a rollout's changing shapes do not recompile."""
+    import torch._dynamo.utils
+
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=16, seed=3)
+    shapes = [REPEATS, [60, 2, 9], [5, 90, 30, 3, 14]]  # new batch sizes and cache lengths
+    eager = [ids(hf(varied_model, tiny_tokenizer, sampling, "static", None).generate(prompts_of_lengths(s)))
+             for s in shapes]
+    torch._dynamo.reset()
+    generator = HFGenerator(varied_model, tiny_tokenizer, sampling, batch_size=None, decoder="static",
+                            progress=False, compile_decode_step=True)
+    for lengths, expected in zip(shapes, eager):
+        generator._calls = 0  # each call samples from the same seed as the eager generator's first call
+        assert ids(generator.generate(prompts_of_lengths(lengths))) == expected
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
