@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
 # Issue 26, a PPO settings sweep for SmolLM2-135M-Instruct on SimpleSokoban on one GPU, after
 # benchmarks/smollm2_sokoban.sh showed no learning at lr 1e-5 in 30 steps: the same random-action data and SFT,
-# then one PPO run per line of SETTINGS ("<name> <hydra overrides...>"), side by side, all with the SFT's own
-# prompts (ctx_manager.mode=add_worldmodel).
+# then one PPO run per line of SETTINGS ("<name> <hydra overrides...>"), side by side, all with the prompts of MODE
+# (add_worldmodel, the SFT's own, by default; base is the original's PPO mode).
 #
 #   OUT=smollm2_sweep STEPS=60 bash benchmarks/smollm2_sweep.sh
+#   MODE=base STEPS=300 TEST_FREQ=25 SETTINGS="$(cat settings.txt)" bash benchmarks/smollm2_sweep.sh   # issue 43's plan
 set -euo pipefail
 OUT="${OUT:-smollm2_sweep}"; [[ "$OUT" = /* ]] || OUT="$PWD/$OUT"  # relative to the caller's directory
 cd "$(dirname "$0")/.."
-STEPS="${STEPS:-60}"; TEST_FREQ="${TEST_FREQ:-10}"; VAL_SAMPLES="${VAL_SAMPLES:-4}"
+STEPS="${STEPS:-60}"; TEST_FREQ="${TEST_FREQ:-10}"; VAL_SAMPLES="${VAL_SAMPLES:-4}"; MODE="${MODE:-add_worldmodel}"
+case "$MODE" in base|add_worldmodel) ;; *) echo "error: MODE must be base or add_worldmodel, got '$MODE'" >&2; exit 2 ;; esac
 SETTINGS="${SETTINGS:-gae_lr3e-5 actor_rollout_ref.actor.optim.lr=3e-5 critic.optim.lr=1e-4
 gae_lr1e-4_kl actor_rollout_ref.actor.optim.lr=1e-4 critic.optim.lr=1e-4 actor_rollout_ref.actor.use_kl_loss=True actor_rollout_ref.actor.kl_loss_coef=0.05 actor_rollout_ref.actor.kl_loss_type=low_var_kl
 grpo_lr3e-5 algorithm.adv_estimator=grpo actor_rollout_ref.actor.optim.lr=3e-5}"
 export MODEL=smollm2-135m
 mkdir -p "$OUT/logs"
-PPO=(ctx_manager.mode=add_worldmodel trainer.total_training_steps="$STEPS" trainer.test_freq="$TEST_FREQ"
+PPO=(ctx_manager.mode="$MODE" trainer.total_training_steps="$STEPS" trainer.test_freq="$TEST_FREQ"
      trainer.save_freq="$TEST_FREQ" es_manager.val.group_size="$VAL_SAMPLES")
 
 python -m SPA_agent.smollm2 > "$OUT/logs/convert.log" 2>&1
