@@ -3,27 +3,14 @@ before any batch, rollout or training step."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
+from entry_calls import must_not_run, run_entry
 
 from SPA_agent.config import compose
 from SPA_agent.entry import EXIT_INTERRUPTED, EXIT_USAGE
 from SPA_agent.evaluate import default_ks, prepare_eval_config
 from SPA_agent.generate_sft_data import prepare_data_gen_config
 from SPA_agent.trainer.config_checks import check_config
-
-
-def run_entry(monkeypatch, module, argv: list[str]) -> int:
-    """Call the Hydra entry point `module.main` in this process with `argv`; its exit status."""
-    monkeypatch.setattr(sys, "argv", [module.__name__, *argv])
-    with pytest.raises(SystemExit) as exit_info:
-        module.main()
-    return exit_info.value.code
-
-
-def must_not_run(*args, **kwargs):
-    raise AssertionError("the stage started despite a bad setting")
 
 
 @pytest.mark.parametrize("value, message", [

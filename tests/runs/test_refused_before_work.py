@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from entry_calls import must_not_run, run_entry
 
 from sft.in_process import compose as compose_sft
 from sft.spa_sft_trainer import SftTrainer
@@ -33,18 +34,6 @@ def datasets(tmp_path_factory) -> Path:
     for config in ("_2_sokoban", "_3_frozen_lake"):
         generate(prepare_data_gen_config(compose(config, [*TINY_DATA, f"data_gen.output_dir={root / config}"]), config))
     return root
-
-
-def run_entry(monkeypatch, module, argv: list[str]) -> int:
-    """Call the Hydra entry point `module.main` in this process with `argv`; its exit status."""
-    monkeypatch.setattr(sys, "argv", [module.__name__, *argv])
-    with pytest.raises(SystemExit) as exit_info:
-        module.main()
-    return exit_info.value.code
-
-
-def must_not_run(*args, **kwargs):
-    raise AssertionError("the stage started despite a bad setting")
 
 
 def script(path: str, *args: str, env: dict | None = None, cwd: Path = REPO, timeout: int = 120):

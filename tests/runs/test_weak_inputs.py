@@ -15,6 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sft"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from entry_calls import must_not_run, run_entry  # noqa: E402
 from sft_fixtures import synthetic_rows, write_rows  # noqa: E402
 
 from SPA_agent.config import compose  # noqa: E402
@@ -24,18 +25,6 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = ["--config-name", "_2_sokoban", "model=tiny"]
 RENDER_MODES = "('text', 'text_with_coordinates')"
 PROMPT_MODES = "('base', 'add_worldmodel')"
-
-
-def run_entry(monkeypatch, module, argv: list[str]) -> int:
-    """Call the Hydra entry point `module.main` in this process with `argv`; its exit status."""
-    monkeypatch.setattr(sys, "argv", [module.__name__, *argv])
-    with pytest.raises(SystemExit) as exit_info:
-        module.main()
-    return exit_info.value.code
-
-
-def must_not_run(*args, **kwargs):
-    raise AssertionError("the stage started despite a bad setting")
 
 
 def stages():
