@@ -57,7 +57,7 @@ from SPA_agent.runs.metrics_logger import MetricsLogger
 from SPA_agent.runs.progress import BackgroundHeartbeat, progress_bar, quiet_library_progress
 from SPA_agent.runs.trainer_dir import TrainerDir
 from SPA_agent.selfplay.data_card import check_dataset_complete, check_dataset_config
-from SPA_agent.tiny import resolve_model_path
+from SPA_agent.model_presets import resolve_model_path
 
 FLEX_PAD_MULTIPLE = 512
 # Per split: rows, longest row, rows truncated and tokens cut (SpaSftDataset.truncation_report).
