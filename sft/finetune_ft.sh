@@ -7,7 +7,7 @@
 set -euo pipefail
 
 usage() {
-    echo "usage: $0 <env_type> <nproc_per_node> <save_path> <data_path> <model_size: 0.5B|1.5B|3B|llama1B|tiny|small|smollm2-135m> [hydra overrides...]" >&2
+    echo "usage: $0 <env_type> <nproc_per_node> <save_path> <data_path> <model_size: a MODEL name (python -m SPA_agent.model_presets list)> [hydra overrides...]" >&2
     echo "  <data_path> must hold wm_train.parquet and wm_val.parquet (stage 1 output)" >&2
     exit 2
 }
