@@ -20,7 +20,8 @@ set -- "$@" $EXP_ARGS
 MODEL="${MODEL:-${EXP_MODEL:-1.5B}}"
 RENDER_MODE="$EXP_RENDER_MODE"
 export MODEL RENDER_MODE
-MODEL_PATH="$(python -c "from SPA_agent.config import compose; print(compose('$CONFIG_NAME', ['model=$(model_preset "$MODEL")']).model_path)")"
+model_settings "$MODEL"
+MODEL_PATH="$(python -c "from SPA_agent.config import compose; print(compose('$CONFIG_NAME', ['model=$MODEL_PRESET']).model_path)")"
 EXPERIMENT_NAME="${CONFIG_NAME}-${MODEL}-${RENDER_MODE}-${EXPERIMENT}"
 RUN_DIR="${BASE_DIR:-./checkpoints}/$CONFIG_NAME/$EXPERIMENT_NAME"
 EVAL_DIR="${EVAL_DIR:-./evals/$EXPERIMENT_NAME}"

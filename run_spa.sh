@@ -39,30 +39,21 @@ load_experiment spa "$CONFIG_NAME" "$@"
 set -- "$@" $EXP_ARGS
 MODEL="${MODEL:-${EXP_MODEL:-1.5B}}"
 RENDER_MODE="$EXP_RENDER_MODE"
-PRESET="$(model_preset "$MODEL")"
+model_settings "$MODEL"
 NGPUS="$(gpu_count)"
-if [ "$MODEL" = tiny ]; then
-    BT_NUM="${BT_NUM:-2}"; GENERATOR="${GENERATOR:-${EXP_DATA_GENERATOR:-random}}"
-    SFT_DEFAULTS="optim.lr=1e-3 trainer.total_epochs=3 data.max_tokens_per_micro_batch=4096"
-elif [ "$MODEL" = small ]; then
-    BT_NUM="${BT_NUM:-5}"; GENERATOR="${GENERATOR:-${EXP_DATA_GENERATOR:-random}}"
-    SFT_DEFAULTS="optim.lr=5e-4 trainer.total_epochs=2"  # docs/small_model.md
-elif [ "$MODEL" = smollm2-135m ]; then
-    # Its own self-play writes no state blocks (docs/smollm2.md): the random-action data of the paper's Table 5.
-    BT_NUM="${BT_NUM:-5}"; GENERATOR="${GENERATOR:-${EXP_DATA_GENERATOR:-random}}"
-    SFT_DEFAULTS="trainer.total_epochs=2"
-else
-    BT_NUM="${BT_NUM:-5}"; GENERATOR="${GENERATOR:-${EXP_DATA_GENERATOR:-$(default_generator)}}"
-    SFT_DEFAULTS=""
-fi
+# Per-model defaults of the model-size table (SPA_agent/model_presets.py): data batches, data generator (random for
+# tiny, small and smollm2-135m; else vllm when installed, else hf), SFT overrides.
+BT_NUM="${BT_NUM:-$MODEL_DATA_BATCHES}"
+GENERATOR="${GENERATOR:-${EXP_DATA_GENERATOR:-${MODEL_DATA_GENERATOR:-$(default_generator)}}}"
+SFT_DEFAULTS="$MODEL_SFT_DEFAULTS"
 # SFT overrides, later ones win: CPU-sized defaults, the experiment's, then SFT_OVERRIDES.
 SFT_OVERRIDES="$SFT_DEFAULTS $EXP_SFT_OVERRIDES ${SFT_OVERRIDES:-}"
 OUTPUT_DIR="${OUTPUT_DIR:-./sftdata/${CONFIG_NAME}-${MODEL}-${RENDER_MODE}${EXP_DATA_SUFFIX}}"
-CHECKPOINT_DIR="${CHECKPOINT_DIR:-./sftckpt/checkpoints${CONFIG_NAME}-${MODEL}-${RENDER_MODE}-$(model_family "$MODEL")${EXP_SFT_SUFFIX}}"
+CHECKPOINT_DIR="${CHECKPOINT_DIR:-./sftckpt/checkpoints${CONFIG_NAME}-${MODEL}-${RENDER_MODE}-${MODEL_FAMILY}${EXP_SFT_SUFFIX}}"
 export MODEL RENDER_MODE NGPUS
 
-DATA_STAGE=(-m SPA_agent.generate_sft_data --config-name "$CONFIG_NAME" model="$PRESET" render_mode="$RENDER_MODE"
-            generator="$GENERATOR" data_gen.num_batches="$BT_NUM" data_gen.output_dir="$OUTPUT_DIR"
+DATA_STAGE=(-m SPA_agent.generate_sft_data --config-name "$CONFIG_NAME" model="$MODEL_PRESET"
+            render_mode="$RENDER_MODE" generator="$GENERATOR" data_gen.num_batches="$BT_NUM" data_gen.output_dir="$OUTPUT_DIR"
             data_gen.resume="$DATA_RESUME" "$@")
 # shellcheck disable=SC2086
 SFT_STAGE=("$CONFIG_NAME" "$(( NGPUS > 0 ? NGPUS : 1 ))" "$CHECKPOINT_DIR" "$OUTPUT_DIR" "$MODEL" ${SFT_OVERRIDES:-})

@@ -21,11 +21,10 @@ MODEL="${MODEL:-1.5B}"
 RENDER_ARGS=(); [ -n "${RENDER_MODE:-}" ] && RENDER_ARGS=(render_mode="$RENDER_MODE")
 BASE_DIR="${BASE_DIR:-./checkpoints}"
 NGPUS="$(gpu_count)"
-PRESET="$(model_preset "$MODEL")"
-STEPS_DEFAULT=1000; [ "$MODEL" = tiny ] && STEPS_DEFAULT=2
-TOTAL_STEPS="${TOTAL_STEPS:-$STEPS_DEFAULT}"
+model_settings "$MODEL"
+TOTAL_STEPS="${TOTAL_STEPS:-$MODEL_PPO_STEPS}"
 RESUME_MODE=disable; is_resume && RESUME_MODE=auto
-case "$CKPT" in */*|tiny|small|smollm2-135m) ;; *) [ -d "$CKPT" ] || die "checkpoint '$CKPT' is not a directory" ;; esac
+case "$CKPT" in */*) ;; *) [[ " $NAMED_MODELS " == *" $CKPT "* ]] || [ -d "$CKPT" ] || die "checkpoint '$CKPT' is not a directory" ;; esac
 if [ -e "$CKPT" ] && [ ! -f "$CKPT/config.json" ]; then die "'$CKPT' is not a Hugging Face model directory (no config.json)"; fi
 
 # One process for CPU or one GPU (local backend); verl's Ray/FSDP workers with tensor-parallel vLLM beyond.
@@ -34,7 +33,7 @@ if [ "$NGPUS" -gt 1 ]; then
     BACKEND_ARGS=(trainer.backend=verl actor_rollout_ref.rollout.tensor_model_parallel_size="${ROLLOUT_TP:-auto}")
 fi
 
-run_stage -m SPA_agent.trainer.main_ppo --config-name "$CONFIG_NAME" model="$PRESET" \
+run_stage -m SPA_agent.trainer.main_ppo --config-name "$CONFIG_NAME" model="$MODEL_PRESET" \
     model_path="$CKPT" "${RENDER_ARGS[@]}" "${BACKEND_ARGS[@]}" \
     trainer.n_gpus_per_node="$(( NGPUS > 0 ? NGPUS : 1 ))" \
     trainer.total_training_steps="$TOTAL_STEPS" trainer.save_freq=100 \

@@ -184,7 +184,7 @@ def apply_system_env(cfg: DictConfig) -> None:
 def resolve_checkpoint(model_path: str) -> str:
     """The directory or hub id to load: `tiny` → the embedded model; a local directory must be a Hugging Face
     model directory (SFT checkpoints: `<dir>/global_step_N`; PPO checkpoints: `<run>/global_step_N/actor`)."""
-    from SPA_agent.tiny import resolve_model_path
+    from SPA_agent.model_presets import resolve_model_path
 
     resolved = resolve_model_path(str(model_path))
     path = Path(resolved)

@@ -86,7 +86,7 @@ def prepare_eval_config(cfg: DictConfig, config_name: str | None = None) -> Dict
         val.env_configs.n_groups = [num_puzzles]
     val.env_groups, val.group_size = num_puzzles, int(ev.n)
     check_choice(cfg, "evaluation.prompt_mode", PROMPT_MODES)
-    cfg.ctx_manager.mode = ev.prompt_mode
+    cfg.ctx_manager.mode = ev.prompt_mode  # the one road: the context manager reads ctx_manager.mode
     check_env_types(cfg.generator, {cfg.custom_envs[tag].env_type for tag in tags})
     with open_dict(cfg):
         cfg.model_name = model_name(cfg)
@@ -250,7 +250,7 @@ def evaluate(cfg: DictConfig, generator=None) -> dict:
         with model_load_errors(cfg.model_path):
             generator = build_generator(cfg.generator, cfg.model_path, tokenizer)
     generator = ErrorTolerantGenerator(generator)
-    proxy = LLMAgentProxy(cfg, generator, tokenizer, mode=ev.prompt_mode, progress=True)
+    proxy = LLMAgentProxy(cfg, generator, tokenizer, progress=True)
     with DirLock(out_dir):  # also fails early on an unwritable directory, before any rollout
         records, states, error = run_repeats(cfg, proxy, generator)
         if ev.write_trajectories:

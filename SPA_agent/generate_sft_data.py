@@ -296,7 +296,7 @@ def generate(cfg: DictConfig) -> dict:
     tokenizer = load_tokenizer(cfg.model_path)
     with model_load_errors(cfg.model_path):
         generator = build_generator(cfg.generator, cfg.model_path, tokenizer)
-    proxy = LLMAgentProxy(cfg, generator, tokenizer, mode=cfg.data_gen.prompt_mode, progress=True)
+    proxy = LLMAgentProxy(cfg, generator, tokenizer, progress=True)
     identity = data_identity(cfg)
     with DirLock(out_dir):
         state = dataset_state(out_dir, identity, cfg.data_gen.resume)
@@ -322,7 +322,7 @@ def prepare_data_gen_config(cfg: DictConfig, config_name: str | None = None) -> 
     """Entry config + the `data_gen` block (config/data_gen.yaml under any overrides), prompt mode forced."""
     cfg = prepare_config(cfg, "data_gen", config_name)
     check_choice(cfg, "data_gen.prompt_mode", PROMPT_MODES)
-    cfg.ctx_manager.mode = cfg.data_gen.prompt_mode
+    cfg.ctx_manager.mode = cfg.data_gen.prompt_mode  # the one road: the context manager reads ctx_manager.mode
     check_data_gen_settings(cfg)
     return cfg
 

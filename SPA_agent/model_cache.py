@@ -1,5 +1,5 @@
 """Where the model presets (`tiny` and `small` in tiny.py, `smollm2-135m` in smollm2.py) are cached, and the file
-that marks a cached model complete. Both preset modules read it; tiny.py's `resolve_model_path` dispatches to them."""
+that marks a cached model complete. Both read it; model_presets.py's `resolve_model_path` dispatches to them."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The embedded models: Qwen2-architecture causal LMs over one ChatML tokenizer, built offline.
 
 `model_path=tiny` (~0.8M parameters, for CI and smoke runs) and `model_path=small` (~25M parameters, a
-from-scratch model for small-scale learning experiments) resolve (through `resolve_model_path`) to Hugging
+from-scratch model for small-scale learning experiments) resolve (through `model_presets.resolve_model_path`) to Hugging
 Face directories that this module builds deterministically on first use and caches, so every stage runs with
 no download. The tokenizer is a byte-level BPE trained on a fixed corpus of the prompts' vocabulary (grid
 symbols such as `√`, digits, tags, action names), so any text round-trips through it; the models have random
@@ -168,18 +168,6 @@ def embedded_model_dir(name: str, cache_dir: str | Path | None = None) -> Path:
 def tiny_model_dir(cache_dir: str | Path | None = None) -> Path:
     """Directory of the cached tiny model, building it first if needed."""
     return embedded_model_dir(TINY_NAME, cache_dir)
-
-
-def resolve_model_path(model_path: str, cache_dir: str | Path | None = None) -> str:
-    """Map `tiny` / `small` to the embedded model's directory and `smollm2-135m` to the converted SmolLM2
-    (SPA_agent/smollm2.py); any other Hub id or local path passes through."""
-    if str(model_path) in EMBEDDED_MODELS:
-        return str(embedded_model_dir(str(model_path), cache_dir))
-    from SPA_agent import smollm2
-
-    if str(model_path) == smollm2.NAME:
-        return str(smollm2.smollm2_model_dir(cache_dir))
-    return str(model_path)
 
 
 if __name__ == "__main__":

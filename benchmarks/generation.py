@@ -255,7 +255,7 @@ def run_rollout(args, device: torch.device) -> None:
             decoder=decoder,
             progress=False,
         )
-        proxy = LLMAgentProxy(cfg, generator, tokenizer, mode="add_worldmodel")
+        proxy = LLMAgentProxy(cfg, generator, tokenizer)  # ctx_manager.mode=add_worldmodel
         start = time.perf_counter()
         rollout = proxy.rollout(val=False)
         seconds = time.perf_counter() - start

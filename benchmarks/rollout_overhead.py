@@ -18,8 +18,8 @@ from transformers import AutoTokenizer
 
 from SPA_agent.config import compose
 from SPA_agent.generators import build_generator
+from SPA_agent.model_presets import resolve_model_path
 from SPA_agent.rollout.agent_proxy import LLMAgentProxy
-from SPA_agent.tiny import resolve_model_path
 
 
 def time_rollouts(config_name: str, repeats: int, smoke: bool, mode: str, model: str = "tiny") -> dict:

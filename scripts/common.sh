@@ -47,22 +47,19 @@ check_script_variables() {
     is_resume || true
 }
 
-# model_preset SIZE: Hydra model preset for MODEL=0.5B|1.5B|3B|llama1B|tiny|small|smollm2-135m.
-model_preset() {
-    case "$1" in
-        0.5B) echo qwen2.5-0.5b ;;
-        1.5B) echo qwen2.5-1.5b ;;
-        3B) echo qwen2.5-3b ;;
-        llama1B) echo llama3.2-1b ;;
-        tiny) echo tiny ;;
-        small) echo small ;;
-        smollm2-135m) echo smollm2-135m ;;
-        *) die "unknown MODEL '$1'; choose one of 0.5B, 1.5B, 3B, llama1B, tiny, small, smollm2-135m" ;;
-    esac
+# model_settings SIZE: the model-size table's row of MODEL=SIZE (SPA_agent/model_presets.py) as shell variables:
+# MODEL_PRESET (Hydra model preset), MODEL_FAMILY (in checkpoint directory names), MODEL_SFT_MODEL,
+# MODEL_SFT_FAMILY, MODEL_SFT_MAX_LENGTH, MODEL_SFT_DEFAULTS, MODEL_DATA_GENERATOR, MODEL_DATA_BATCHES,
+# MODEL_PPO_STEPS, MODEL_IN_PAPER (1 or empty), and NAMED_MODELS (model_path names that are built, not paths).
+# An unknown SIZE is one line and exit status 2.
+model_settings() {
+    local settings
+    settings="$(python -m SPA_agent.model_presets shell "$1")" || exit 2
+    eval "$settings"
 }
 
-# model_family SIZE: short family name used in checkpoint directory names.
-model_family() { case "$1" in llama*) echo llama ;; tiny|small) echo "$1" ;; smollm2*) echo smollm2 ;; *) echo qwen ;; esac; }
+# model_preset SIZE: Hydra model preset for MODEL=SIZE (one field of the table).
+model_preset() { python -m SPA_agent.model_presets lookup "$1" preset || exit 2; }
 
 # gpu_count: visible CUDA devices (CUDA_VISIBLE_DEVICES if set, else nvidia-smi), 0 without CUDA.
 gpu_count() {
@@ -148,7 +145,8 @@ evaluate_before_after() {
         mapfile -t args <<< "$text"
         python "${args[@]}"
     done
-    local paper_args=(); case "$MODEL" in tiny|small|smollm2-135m) ;; *) paper_args=(--paper-model "$MODEL") ;; esac  # not in the paper
+    local paper_args=()
+    [ -n "$(python -m SPA_agent.model_presets lookup "$MODEL" in_paper)" ] && paper_args=(--paper-model "$MODEL")
     python -m SPA_agent.report "$eval_dir/before_ppo" "$eval_dir/after_ppo" "$run_dir" "${paper_args[@]}" \
         --out "$eval_dir/summary.md"
 }

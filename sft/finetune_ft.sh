@@ -7,7 +7,7 @@
 set -euo pipefail
 
 usage() {
-    echo "usage: $0 <env_type> <nproc_per_node> <save_path> <data_path> <model_size: 0.5B|1.5B|3B|llama1B|tiny|small|smollm2-135m> [hydra overrides...]" >&2
+    echo "usage: $0 <env_type> <nproc_per_node> <save_path> <data_path> <model_size: a MODEL name (python -m SPA_agent.model_presets list)> [hydra overrides...]" >&2
     echo "  <data_path> must hold wm_train.parquet and wm_val.parquet (stage 1 output)" >&2
     exit 2
 }
@@ -20,17 +20,14 @@ data_path=$4
 model_size=$5
 shift 5
 
-# max_length: the paper's 2048 (spec §2.4); longer rows lose the start of their prompt (data.truncation=left,
-# counted in the log and in <save_path>/truncation.json). The tiny model's byte-level tokenizer writes more
-# tokens per row: its self-play rows measure up to 1998 (Sokoban), 1939 (FrozenLake) and 2473 (Sudoku) tokens.
-max_length=2048
-case "$model_size" in
-    0.5B|1.5B|3B) model="Qwen/Qwen2.5-${model_size}-Instruct"; family="qwen-2.5" ;;
-    llama1B) model="meta-llama/Llama-3.2-1B-Instruct"; family="llama-3.2" ;;
-    tiny|small) model=$model_size; family=$model_size; max_length=4096 ;;  # the embedded byte-level tokenizer
-    smollm2-135m) model=$model_size; family=smollm2 ;;  # its Sokoban self-play rows measure up to 1,768 tokens
-    *) echo "error: model size '$model_size' is not one of 0.5B, 1.5B, 3B, llama1B, tiny, small, smollm2-135m" >&2; exit 2 ;;
-esac
+python=${PYTHON:-python}
+# This repository's code whatever the directory (as scripts/common.sh).
+export PYTHONPATH="$(cd "$(dirname "$0")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
+# The model-size table (SPA_agent/model_presets.py): the model SFT starts from, its family in the experiment name,
+# and data.max_length (the paper's 2048, spec §2.4; 4096 for the embedded byte-level tokenizer's longer rows).
+settings="$("$python" -m SPA_agent.model_presets --label "model size" shell "$model_size")" || exit 2
+eval "$settings"
+model=$MODEL_SFT_MODEL; family=$MODEL_SFT_FAMILY; max_length=$MODEL_SFT_MAX_LENGTH
 if ! [[ "$nproc_per_node" =~ ^[1-9][0-9]*$ ]]; then
     echo "error: nproc_per_node must be a positive integer, got '$nproc_per_node'" >&2
     exit 2
@@ -52,7 +49,6 @@ esac
 card_check=()
 [[ -f "$(dirname "$0")/../config/$env_type.yaml" ]] && card_check=(data.config_name="$env_type")
 
-python=${PYTHON:-python}
 if "$python" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     if [[ -n "${CUDA_VISIBLE_DEVICES:-}" ]]; then
         IFS=',' read -ra visible <<< "$CUDA_VISIBLE_DEVICES"

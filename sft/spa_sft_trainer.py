@@ -49,6 +49,7 @@ from sft.packing import (
 )
 from sft.spa_sft_dataset import SpaSftDataset
 from SPA_agent.entry import EXIT_INTERRUPTED, hydra_entry
+from SPA_agent.model_presets import resolve_model_path
 from SPA_agent.runs import atomic_io, checkpoint_dirs, run_identity
 from SPA_agent.runs.compile_cache import use_persistent_compile_cache
 from SPA_agent.runs.dir_lock import HOLDER_ENV, DirLock, adopt_locks_of, check_unlocked, check_writable
@@ -57,7 +58,6 @@ from SPA_agent.runs.metrics_logger import MetricsLogger
 from SPA_agent.runs.progress import BackgroundHeartbeat, progress_bar, quiet_library_progress
 from SPA_agent.runs.trainer_dir import TrainerDir
 from SPA_agent.selfplay.data_card import check_dataset_complete, check_dataset_config
-from SPA_agent.tiny import resolve_model_path
 
 FLEX_PAD_MULTIPLE = 512
 # Per split: rows, longest row, rows truncated and tokens cut (SpaSftDataset.truncation_report).

@@ -39,7 +39,11 @@ def _cache_llama(hf_home: Path, tokenizer) -> None:
 
 def test_config_preset_and_sft_script_name_the_same_llama_model():
     assert compose("_2_sokoban", ["model=llama3.2-1b"]).model_path == LLAMA_ID
-    assert f'llama1B) model="{LLAMA_ID}"' in (REPO / "sft" / "finetune_ft.sh").read_text()
+    # the script takes the model from the model-size table (SPA_agent/model_presets.py), which reads the preset
+    result = subprocess.run(["bash", str(REPO / "sft" / "finetune_ft.sh"), "_2_sokoban", "1", "/nonexistent/sft",
+                             "/nonexistent/data", "llama1B"], capture_output=True, text=True, check=True,
+                            env={**os.environ, "SPA_PRINT_STAGE": "1"}, timeout=120)
+    assert f"model.partial_pretrain={LLAMA_ID}" in result.stdout.splitlines()
 
 
 @pytest.mark.slow

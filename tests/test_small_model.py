@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from SPA_agent.config import compose
-from SPA_agent.tiny import SMALL_SHAPE, resolve_model_path
+from SPA_agent.model_presets import resolve_model_path
+from SPA_agent.tiny import SMALL_SHAPE
 
 REPO = Path(__file__).resolve().parents[1]
 #: CPU sizes on the bandit (config/_bandit.yaml: one turn, ~190-token prompts): 2 × 2 envs, one PPO step, 32 new

@@ -1,6 +1,7 @@
 import hashlib
 
-from SPA_agent.tiny import build_tiny_model, resolve_model_path
+from SPA_agent.model_presets import resolve_model_path
+from SPA_agent.tiny import build_tiny_model
 
 
 def _digest(directory):

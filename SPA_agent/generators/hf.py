@@ -131,7 +131,7 @@ def load_model(model_path: str, dtype: str = "bfloat16", device: str = "auto"):
     model)."""
     from transformers import AutoModelForCausalLM
 
-    from SPA_agent.tiny import resolve_model_path
+    from SPA_agent.model_presets import resolve_model_path
 
     target = torch.device(
         "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)

@@ -66,7 +66,7 @@ class VLLMGenerator:
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any], model_path: str, tokenizer) -> VLLMGenerator:
         """Start the engine on `model_path` with the engine keys of the `generator` config (spec §7.2)."""
-        from SPA_agent.tiny import resolve_model_path
+        from SPA_agent.model_presets import resolve_model_path
 
         vllm = import_vllm()
         path = resolve_model_path(model_path)

@@ -31,13 +31,12 @@ class Rollout:
 
 
 class LLMAgentProxy:
-    def __init__(self, config: Mapping, generator: Generator, tokenizer, mode: str | None = None,
-                 progress: bool = False):
+    def __init__(self, config: Mapping, generator: Generator, tokenizer, progress: bool = False):
         for split in ("train", "val"):
             check_env_groups(config, split)
         self.config = config
         self.generator = generator
-        self.ctx = ContextManager(config, tokenizer, mode=mode)
+        self.ctx = ContextManager(config, tokenizer)  # its prompt mode: config ctx_manager.mode
         self.max_turn = int(config["agent_proxy"]["max_turn"])
         if self.max_turn < 1:
             raise ValueError(f"agent_proxy.max_turn must be >= 1, got {self.max_turn}")

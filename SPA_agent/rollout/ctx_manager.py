@@ -24,9 +24,11 @@ SYSTEM_PROMPT = "You're a helpful assistant. "
 
 
 class ContextManager:
-    def __init__(self, config: Mapping, tokenizer, mode: str | None = None):
+    def __init__(self, config: Mapping, tokenizer):
         self.config = config
-        self.mode = mode or config["ctx_manager"]["mode"]
+        # The one road of the prompt mode: `ctx_manager.mode` of the config, which each entry point sets once from
+        # its own key (data_gen.prompt_mode, evaluation.prompt_mode; PPO's own ctx_manager.mode).
+        self.mode = config["ctx_manager"]["mode"]
         if self.mode not in MODES:
             raise ValueError(f"ctx_manager.mode must be one of {MODES}, got {self.mode!r}")
         proxy_cfg = config["agent_proxy"]

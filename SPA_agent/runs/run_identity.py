@@ -126,7 +126,7 @@ def files_checksum(paths: Iterable[Path]) -> str:
 def model_checksum(model_path: str) -> str:
     """`sha256:<hex>` over the top-level files of a local model directory (weights, config, tokenizer; not the
     optimizer state of a checkpoint), or `hub:<id>` for a Hub id that is not a local directory."""
-    from SPA_agent.tiny import resolve_model_path
+    from SPA_agent.model_presets import resolve_model_path
 
     path = Path(resolve_model_path(str(model_path)))
     if not path.is_dir():

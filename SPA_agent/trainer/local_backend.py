@@ -23,8 +23,8 @@ from verl.trainer.ppo import core_algos
 from verl.utils import torch_functional as verl_F
 from verl.workers.config import ActorConfig
 
+from SPA_agent.model_presets import resolve_model_path
 from SPA_agent.runs.lora import add_lora
-from SPA_agent.tiny import resolve_model_path
 from SPA_agent.trainer import local_models as lm
 from SPA_agent.trainer import lora
 from SPA_agent.trainer.algos import needs_critic

@@ -112,7 +112,7 @@ def build_trainer(cfg: DictConfig, lock: DirLock):
     start = time.perf_counter()
     backend = load_backend(cfg, tokenizer)
     print(f"models loaded ({time.perf_counter() - start:.0f} s)", flush=True)
-    proxy = LLMAgentProxy(cfg, backend, tokenizer, mode=cfg.ctx_manager.mode, progress=True)
+    proxy = LLMAgentProxy(cfg, backend, tokenizer, progress=True)
     lock.acquire()
     if not resume:
         RUN_DIR.reset(output_dir, identity)

@@ -196,7 +196,7 @@ def _free_cache_engine(cfg: DictConfig, model_path: str) -> bool:
 
 def _derived(cfg: DictConfig) -> dict[str, object]:
     """verl keys computed from ours (verl path → value)."""
-    from SPA_agent.tiny import resolve_model_path
+    from SPA_agent.model_presets import resolve_model_path
 
     actor_path = resolve_model_path(cfg.actor_rollout_ref.model.path)
     critic_path = resolve_model_path(cfg.critic.model.path)

@@ -53,7 +53,8 @@ def test_sft_rows_and_ppo_prompts_have_the_same_token_ids(tiny_tokenizer, tmp_pa
                           "es_manager.train.env_configs.n_groups=[4]", "es_manager.train.group_size=2",
                           num_batches=1)
     generator = RecordingGenerator(build_generator(cfg.generator, cfg.model_path, tokenizer))
-    proxy = LLMAgentProxy(cfg, generator, tokenizer, mode="add_worldmodel")
+    assert cfg.ctx_manager.mode == "add_worldmodel"  # set from data_gen.prompt_mode
+    proxy = LLMAgentProxy(cfg, generator, tokenizer)
     rows, _ = rollout_records(proxy, proxy.rollout().states, 0, {"SimpleSokoban": "sokoban"})
     ppo_prompts = {tuple((m["role"], m["content"]) for m in p.messages): p.prompt_ids for p in generator.prompts}
     ppo_without_states = {without_states(p.messages) for p in generator.prompts}

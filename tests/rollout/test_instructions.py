@@ -18,8 +18,8 @@ TAGS = ("SimpleSokoban", "HarderSokoban", "FrozenLake", "FrozenLake6x6", "Sudoku
 
 
 def _instruction(tag: str, render_mode: str, mode: str, tokenizer) -> str:
-    cfg = compose("_2_sokoban", ["model=tiny", f"render_mode={render_mode}"])
-    return ContextManager(cfg, tokenizer, mode=mode).instruction(tag)
+    cfg = compose("_2_sokoban", ["model=tiny", f"render_mode={render_mode}", f"ctx_manager.mode={mode}"])
+    return ContextManager(cfg, tokenizer).instruction(tag)
 
 
 @pytest.mark.parametrize("mode", ["base", "add_worldmodel"])

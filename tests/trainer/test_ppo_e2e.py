@@ -63,7 +63,7 @@ def test_two_step_ppo_run_logs_finite_losses_and_checkpoints(ppo_config, config_
     """… trains on policy: the filtered batch (1 group × 2) is one mini-batch, so each update starts at the policy
     whose log-probs the rollout recorded (ratio 1: PPO's KL 0, nothing clipped), and the saved actor and critic
     are not the starting model; and the diagnostics: input dependence at every step with mi_freq=1, the plot."""
-    from SPA_agent.tiny import resolve_model_path
+    from SPA_agent.model_presets import resolve_model_path
 
     output = run(ppo_config(config_name, "trainer.diagnostics.mi_freq=1"))
     records = _check_run(output, tag, [0, 1, 2])

@@ -7,7 +7,7 @@ import torch
 from omegaconf import OmegaConf
 from verl.utils.config import omega_conf_to_dataclass
 
-from SPA_agent.tiny import resolve_model_path
+from SPA_agent.model_presets import resolve_model_path
 from SPA_agent.trainer import verl_config as vc
 from SPA_agent.trainer.packing import PACKED_ATTENTION
 

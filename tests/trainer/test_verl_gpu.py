@@ -65,7 +65,7 @@ def test_generation_after_update_uses_the_servers(backends):
     cfg = compose("_2_sokoban", ["model=tiny"])
     from transformers import AutoTokenizer
 
-    from SPA_agent.tiny import resolve_model_path
+    from SPA_agent.model_presets import resolve_model_path
 
     proxy = LLMAgentProxy(cfg, verl, AutoTokenizer.from_pretrained(resolve_model_path("tiny")))
     rollout = proxy.rollout(val=True)
