@@ -9,7 +9,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
 from transformers import Qwen2Config
 
 from SPA_agent.trainer import verl_config as vc
@@ -183,3 +182,21 @@ def test_backend_speed_refuses_an_unknown_shape_in_one_line():
     result = subprocess.run(["bash", str(REPO / "benchmarks/backend_speed.sh"), "/nonexistent/out", "4", "7b"],
                             capture_output=True, text=True, check=False, timeout=30)
     assert result.returncode == 2 and result.stderr == "error: SHAPE takes 0.5b or 1.5b, got '7b'\n"
+
+
+def test_ppo_refuses_three_gpus_in_one_line_before_loading_models(monkeypatch, capsys, tmp_path):
+    import sys
+
+    from SPA_agent.trainer import main_ppo
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the models were loaded despite the GPU count")
+
+    monkeypatch.setattr(main_ppo, "load_backend", must_not_run)
+    monkeypatch.setattr(sys, "argv", ["main_ppo", "--config-name", "_2_sokoban", "model=tiny", "trainer.backend=verl",
+                                      "trainer.n_gpus_per_node=3", f"trainer.default_local_dir={tmp_path / 'ppo'}"])
+    with pytest.raises(SystemExit) as exit_info:
+        main_ppo.main()
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1
+    assert err.startswith("error: actor_rollout_ref.actor.ppo_mini_batch_size (4) must be a multiple of the 3 GPUs")
