@@ -71,7 +71,7 @@ def _check_backend(cfg: DictConfig) -> None:
 
 
 def _check_batch_sizes(cfg: DictConfig) -> None:
-    n_gpus = cfg.trainer.n_gpus_per_node
+    n_gpus = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes  # every data-parallel rank, all nodes
     rollout, train = cfg.actor_rollout_ref.rollout, cfg.es_manager.train
     ratio = rollout.rollout_filter_ratio
     if not 0 < ratio <= 1:
@@ -89,6 +89,12 @@ def _check_batch_sizes(cfg: DictConfig) -> None:
             raise ValueError(
                 f"{name}.ppo_micro_batch_size_per_gpu ({micro}) × n_gpus ({n_gpus}) must be ≤ and divide "
                 f"{name}.ppo_mini_batch_size ({mini}); lower micro_batch_size_per_gpu or change ppo_mini_batch_size"
+            )
+        if cfg.trainer.backend == "verl" and mini % n_gpus:
+            raise ValueError(
+                f"{name}.ppo_mini_batch_size ({mini}) must be a multiple of the {n_gpus} GPUs (trainer.n_gpus_per_node "
+                f"{cfg.trainer.n_gpus_per_node} × trainer.nnodes {cfg.trainer.nnodes}): the verl backend gives every GPU "
+                "an equal share of each mini-batch; change ppo_mini_batch_size or the number of GPUs"
             )
         if kept < mini or kept % mini:
             raise ValueError(
