@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import tempfile
@@ -171,6 +172,9 @@ def main() -> None:
 
 
 def _commit() -> str | None:
+    """The checkout's commit; $SPA_COMMIT where the copy has no git history (a GPU host)."""
+    if os.environ.get("SPA_COMMIT"):
+        return os.environ["SPA_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()
