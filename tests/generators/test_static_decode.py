@@ -239,3 +239,32 @@ def test_compiled_decode_step_samples_what_the_eager_step_samples(varied_model, 
         generator._calls = 0  # each call samples from the same seed as the eager generator's first call
         assert ids(generator.generate(prompts_of_lengths(lengths))) == expected
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_finished_rows_read_one_key_and_running_rows_are_unchanged(
+    varied_model, tiny_tokenizer, prompts_of_lengths, greedy_reference, monkeypatch
+):
+    """A row that has emitted its end of turn attends to its first key only from the next decode step on, so a
+    turn's long tail no longer reads the finished rows' histories; the other rows decode exactly as the plainest
+    greedy loop does."""
+    from SPA_agent.generators import static_decode
+
+    read = []  # keys each row reads, per decode step
+    real = static_decode.masked_decode
+    monkeypatch.setattr(static_decode, "masked_decode",
+                        lambda q, k, v, lengths, scaling=None: read.append(lengths.tolist()) or real(q, k, v, lengths,
+                                                                                                    scaling))
+    prompts = prompts_of_lengths(REPEATS)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=20)
+    generations = hf(varied_model, tiny_tokenizer, greedy, "static", batch_size=None).generate(prompts)
+    stop_ids = set(end_of_turn_ids(varied_model, tiny_tokenizer))
+    assert [(g.token_ids, g.finish_reason) for g in generations] == [
+        greedy_reference(varied_model, p.prompt_ids, 20, stop_ids) for p in prompts]
+    layers = varied_model.config.num_hidden_layers
+    assert len(read) == 19 * layers  # one row runs to the length limit: 19 decode steps after the prefill's token
+    assert all(read[i] == read[i - i % layers] for i in range(len(read)))  # every layer of a step reads alike
+    for step, lengths in enumerate(read[::layers]):  # decode step `step` feeds each row its token `step`
+        expected = [1 if g.finish_reason == "stop" and len(g.token_ids) - 1 <= step else len(p.prompt_ids) + step + 1
+                    for g, p in zip(generations, prompts)]
+        assert sorted(lengths) == sorted(expected)  # (the decode batch orders rows by prompt length)
+    assert any(g.finish_reason == "stop" and len(g.token_ids) < 19 for g in generations)  # some rows finished early
