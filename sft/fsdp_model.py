@@ -16,12 +16,22 @@ LORA_MARKERS = (".lora_A.", ".lora_B.", ".lora_embedding_A.", ".lora_embedding_B
 
 
 def load_model(path: str, cfg, vocab_size: int) -> torch.nn.Module:
-    """fp32 causal LM from `path`, embeddings grown (never shrunk, unlike spec §12.18) to `vocab_size`."""
+    """fp32 causal LM from `path`, embeddings grown (never shrunk, unlike spec §12.18) to `vocab_size`.
+
+    `attn_implementation=packed_sdpa` is the PPO trainer's packed attention (SPA_agent/trainer/packing.py): each
+    packed sample attends to itself in one causal SDPA call (flash attention on GPU), found from the restarting
+    position ids; no mask is built and nothing compiles, unlike flex attention's minutes on a fresh machine."""
     from transformers import AutoModelForCausalLM
 
+    from SPA_agent.trainer.packing import avoid_cudnn_attention, enable_packed_attention
+
+    packed = cfg.attn_implementation == "packed_sdpa"
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation=cfg.attn_implementation,
+        path, dtype=torch.float32, attn_implementation="sdpa" if packed else cfg.attn_implementation,
         trust_remote_code=cfg.trust_remote_code)
+    if packed:
+        enable_packed_attention(model)
+        avoid_cudnn_attention()
     if vocab_size > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(vocab_size)
     if cfg.enable_gradient_checkpointing:

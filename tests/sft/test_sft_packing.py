@@ -50,11 +50,23 @@ def samples(tiny_tokenizer, tmp_path_factory):
     return SpaSftDataset(str(path), tiny_tokenizer).samples
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_packed_padded_and_single_sample_losses_agree(tiny_dir, samples, attn):
-    from transformers import AutoModelForCausalLM
+def _load(tiny_dir, attn: str):
+    """The tiny model as the SFT trainer loads it, float32, with `model.attn_implementation=attn`."""
+    from omegaconf import OmegaConf
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir, attn_implementation=attn, dtype=torch.float32)
+    from sft.fsdp_model import load_model
+
+    cfg = OmegaConf.create({"attn_implementation": attn, "trust_remote_code": False,
+                            "enable_gradient_checkpointing": False})
+    return load_model(str(tiny_dir), cfg, vocab_size=0)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "packed_sdpa"])
+def test_packed_padded_and_single_sample_losses_agree(tiny_dir, samples, attn):
+    from SPA_agent.trainer.packing import PACKED_ATTENTION
+
+    model = _load(tiny_dir, attn)
+    assert (model.config._attn_implementation == PACKED_ATTENTION) == (attn == "packed_sdpa")
     pad = 0
     with torch.no_grad():
         single = sum(token_loss_sum(model, collate_packed([s], pad)) for s in samples)
@@ -68,11 +80,10 @@ def test_packed_padded_and_single_sample_losses_agree(tiny_dir, samples, attn):
     torch.testing.assert_close(padded, single, rtol=1e-5, atol=1e-4)
 
 
-def test_packed_samples_do_not_attend_to_each_other(tiny_dir, samples):
+@pytest.mark.parametrize("attn", ["sdpa", "packed_sdpa"])
+def test_packed_samples_do_not_attend_to_each_other(tiny_dir, samples, attn):
     """Changing the first packed sample must leave the second sample's logits unchanged."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    model = _load(tiny_dir, attn)
     first, second = samples[0], samples[1]
     altered = type(first)(torch.flip(first.input_ids, [0]), first.loss_mask)
     with torch.no_grad():
