@@ -10,7 +10,12 @@
 #   data     random-action self-play data for Sokoban (skipped when [data_dir] is given)
 #   sft      one SFT epoch through sft/finetune_ft.sh, start-up included (the issue's ≤ 60 s), with SFT_OVERRIDES
 #   step     benchmarks/smollm2_step.py from the SFT checkpoint: PPO steps and one validation of 128 × 4
-# Environment: SFT_OVERRIDES (extra SFT overrides, space separated), STEP_TIMEOUT (s, 900), SFT_TIMEOUT (s, 900).
+#   step_<name>  the same from the same checkpoint once per line `<name> <overrides...>` of STEP_VARIANTS
+# Environment: SFT_OVERRIDES (extra SFT overrides, space separated), STEP_TIMEOUT (s, 900), SFT_TIMEOUT (s, 900),
+# STEP_VARIANTS (lines of `<name> <config overrides>`, e.g. "nockpt generator.compile_decode_step=true").
+# A stage still running at its limit is stopped with SIGABRT, so Python prints every thread's stack into its log
+# (PYTHONFAULTHANDLER), after `py-spy dump` of its processes where py-spy is installed; then its process group is
+# killed (no orphaned SFT rank keeps the GPU).
 set -uo pipefail
 [ $# -ge 1 ] || { echo "usage: bash benchmarks/smollm2_step.sh <out> [data_dir] [smollm2_step.py arguments...]" >&2; exit 2; }
 DATA="${2:-}"
@@ -19,17 +24,28 @@ DATA="${2:-}"
 OUT="$(mkdir -p "$1" && cd "$1" && pwd)" || exit 2
 shift $(( $# < 2 ? $# : 2 ))
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONHASHSEED=10000
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONHASHSEED=10000 PYTHONFAULTHANDLER=1
 : > "$OUT/times.tsv"
 
 # stage NAME LIMIT COMMAND...: run COMMAND under LIMIT seconds into <out>/NAME.log; record its time and status.
 stage() {
-    local name="$1" limit="$2" start status
+    local name="$1" limit="$2" start status pid watchdog
     shift 2
     start=$EPOCHREALTIME
     echo "== $name (at most $limit s)"
-    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    setsid "$@" > "$OUT/$name.log" 2>&1 &
+    pid=$!
+    (
+        sleep "$limit"
+        if command -v py-spy > /dev/null; then
+            for p in $(pgrep -g "$pid"); do py-spy dump --pid "$p" >> "$OUT/$name.stacks.txt" 2>&1; done
+        fi
+        kill -ABRT -- -"$pid" 2>/dev/null; sleep 5; kill -KILL -- -"$pid" 2>/dev/null
+    ) &
+    watchdog=$!
+    wait "$pid"
     status=$?
+    pkill -P "$watchdog" 2>/dev/null; kill "$watchdog" 2>/dev/null
     awk -v n="$name" -v a="$start" -v b="$EPOCHREALTIME" -v s="$status" 'BEGIN { printf "%s\t%.1f\t%s\n", n, b - a, s }' \
         >> "$OUT/times.tsv"
     [ "$status" -eq 0 ] || { echo "error: stage $name ended with status $status; see $OUT/$name.log" >&2; exit 1; }
@@ -37,8 +53,7 @@ stage() {
 
 # -X importtime: a hang in an import shows as the last module in check.log
 stage check 60 python -X importtime -c "import torch, SPA_agent.smollm2, SPA_agent.trainer.main_ppo; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())"
-# faulthandler prints every thread's stack if the conversion is still running after 280 s
-stage convert 300 python -c "import faulthandler, runpy, sys; faulthandler.dump_traceback_later(280, exit=True); sys.argv = ['smollm2']; runpy.run_module('SPA_agent.smollm2', run_name='__main__')"
+stage convert 300 python -m SPA_agent.smollm2
 if [ -z "$DATA" ]; then
     DATA="$OUT/data"
     stage data 300 python -m SPA_agent.generate_sft_data --config-name _2_sokoban model=smollm2-135m generator=random \
@@ -49,4 +64,10 @@ stage sft "${SFT_TIMEOUT:-900}" bash sft/finetune_ft.sh _2_sokoban 1 "$OUT/sft" 
     trainer.total_epochs=1 ${SFT_OVERRIDES:-}
 CKPT="$(ls -d "$OUT"/sft/global_step_* | sort -V | tail -1)"
 stage step "${STEP_TIMEOUT:-900}" python benchmarks/smollm2_step.py --model-path "$CKPT" --json "$OUT/step.json" "$@"
+while read -r name overrides; do
+    [ -n "$name" ] || continue
+    # shellcheck disable=SC2086
+    stage "step_$name" "${STEP_TIMEOUT:-900}" python benchmarks/smollm2_step.py --model-path "$CKPT" \
+        --json "$OUT/step_$name.json" "$@" $overrides
+done <<< "${STEP_VARIANTS:-}"
 cat "$OUT/times.tsv"
