@@ -233,7 +233,7 @@ class _DecodeState:
     def forward_step(self) -> torch.Tensor:
         """One decode step on the buffers: (B, V) float32 logits of the next token."""
         self.write_rows.copy_(self.row_starts + self.positions)
-        self.kv_lengths.copy_(torch.where(self.finished, 1, self.positions + 1))  # a finished row reads one key
+        self.kv_lengths.copy_((self.positions + 1).masked_fill_(self.finished, 1))  # a finished row reads one key
         output = self.model(
             input_ids=self.input_ids,
             position_ids=self.positions[:, None],
