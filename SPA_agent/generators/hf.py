@@ -168,6 +168,7 @@ class HFGenerator:
         progress: bool = True,
         max_batch_tokens: int | str | None = None,
         compile_decode_step: bool = False,
+        liger_kernels: bool = False,
     ):
         if batch_size is not None and batch_size != "auto" and (not isinstance(batch_size, int) or batch_size < 1):
             raise ValueError(f"generator.batch_size must be a positive integer, auto or null, got {batch_size!r}")
@@ -186,6 +187,13 @@ class HFGenerator:
         self.decoder = ("static" if on_gpu else "generate") if decoder == "auto" else decoder
         self.cuda_graphs = cuda_graphs and on_gpu
         self.compile_decode_step = compile_decode_step
+        # Liger's fused kernels on a GPU (liger_decode.py); CPU decoding keeps transformers' float32 modules
+        self.liger_kernels = liger_kernels and on_gpu
+        if self.liger_kernels:
+            from SPA_agent.generators import liger_decode
+
+            liger_decode.check_liger(model)
+            liger_decode.patch_model(model)
         self._static = None
         self._calls = 0
 
@@ -203,6 +211,7 @@ class HFGenerator:
             cuda_graphs=bool(cfg.get("cuda_graphs", True)),
             progress=bool(cfg.get("progress", True)),
             compile_decode_step=bool(cfg.get("compile_decode_step", False)),
+            liger_kernels=bool(cfg.get("liger_kernels", False)),
         )
 
     @property
@@ -228,7 +237,7 @@ class HFGenerator:
         generator = torch.Generator(self.device).manual_seed(call_seed(self.sampling.seed, self._calls))
         self._calls += 1
         results: list[Generation | None] = [None] * len(prompts)
-        with eval_mode(self.model):
+        with eval_mode(self.model), self._kernels():
             for chunk in progress_bar(
                 chunks, desc="generate", leave=False, disable=not self.progress or len(chunks) < 2
             ):
@@ -238,6 +247,14 @@ class HFGenerator:
         if self._static is not None:
             self._static.release()  # give the KV buffers back (the PPO actor trains on the same device)
         return results
+
+    def _kernels(self) -> contextlib.AbstractContextManager:
+        """Liger's rotary embedding while this generator decodes (its norms and MLPs are patched for good)."""
+        if not self.liger_kernels:
+            return contextlib.nullcontext()
+        from SPA_agent.generators.liger_decode import fused_rope
+
+        return fused_rope(self.model)
 
     def _generate_chunk(self, batch: list[list[int]], generator: torch.Generator) -> list[list[int]]:
         """Sampled ids per prompt (B lists; may run past the end of turn, cut later)."""
