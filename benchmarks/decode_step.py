@@ -13,14 +13,18 @@ decoder's cache is filled by a prefill of B prompts of C random ids, then timed 
   with `step`).
 
 --profile adds a torch.profiler table (eager steps, no CUDA graph) of the kernels by GPU time. --liger also times
-prefill and step of the model patched by liger-kernel (RMSNorm, SwiGLU, RoPE).
+prefill and step (and profiles) of the model as `generator.liger_kernels=true` runs it (liger_decode.py: Liger's
+RMSNorm, SwiGLU and RoPE). --finished F marks that share of the rows finished (they read one key, as rows that
+emitted their end of turn do). `--shape smollm2-135m` is SmolLM2-135M's Llama shape.
 
     python benchmarks/decode_step.py --shape 0.5b --batch 256 --contexts 700 1500 2300 --profile
+    python benchmarks/decode_step.py --shape smollm2-135m --contexts 400 900 1300 --finished 0.6 --liger --profile
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 
@@ -28,6 +32,7 @@ import torch
 from generation import build_model
 from model_shapes import SHAPES
 
+from SPA_agent.generators import liger_decode
 from SPA_agent.generators.base import SamplingParams
 from SPA_agent.generators.static_decode import (
     PROMPT_BUCKET,
@@ -52,7 +57,25 @@ def cuda_ms(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def filled_state(decoder: StaticDecoder, batch: int, context: int, steps: int, vocab: int):
+#: SmolLM2-135M-Instruct's LlamaConfig keyword arguments (docs/smollm2.md)
+SMOLLM2_SHAPE = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+                 "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True, "rope_theta": 100000.0,
+                 "rms_norm_eps": 1e-5}
+
+
+def decode_model(shape: str):
+    """A random-weight bf16 model of the shape on the GPU: the Qwen2 shapes of model_shapes.py, or SmolLM2's."""
+    if shape != "smollm2-135m":
+        return build_model(shape, torch.device("cuda"))
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        config = LlamaConfig(**SMOLLM2_SHAPE, attn_implementation="sdpa", eos_token_id=1, pad_token_id=0)
+        return LlamaForCausalLM(config).to(torch.bfloat16).eval()
+
+
+def filled_state(decoder: StaticDecoder, batch: int, context: int, steps: int, vocab: int, finished: float = 0.0):
     """Decoder state after a prefill of `batch` prompts of `context` random ids, ready for decode steps; the
     prefill's milliseconds and the first logits."""
     max_len = context + steps
@@ -65,14 +88,21 @@ def filled_state(decoder: StaticDecoder, batch: int, context: int, steps: int, v
     prefill_ms = cuda_ms(lambda: decoder._prefill(state, prompts, lengths), 3)
     state.input_ids.copy_(prompts[:, -1:])
     state.positions.fill_(context)
+    state.finished[: int(finished * batch)] = True
     return state, prefill_ms, logits
 
 
-def time_step(model, args, context: int) -> tuple[float, float]:
+def kernels(model, liger: bool):
+    """The context a decode runs in: Liger's rotary function while it runs for a patched model (liger_decode)."""
+    return liger_decode.fused_rope(model) if liger else contextlib.nullcontext()
+
+
+def time_step(model, args, context: int, liger: bool = False) -> tuple[float, float]:
     """(prefill ms, decode step ms) at this context."""
     decoder = StaticDecoder(model, stop_ids=[1], pad_id=0)
-    with torch.inference_mode(), decode_attention_mode(model):
-        state, prefill_ms, _ = filled_state(decoder, args.batch, context, args.steps, model.config.vocab_size)
+    with torch.inference_mode(), decode_attention_mode(model), kernels(model, liger):
+        state, prefill_ms, _ = filled_state(decoder, args.batch, context, args.steps, model.config.vocab_size,
+                                            args.finished)
         for _ in range(3):
             state.step()
         return prefill_ms, cuda_ms(state.step, args.steps)
@@ -104,12 +134,12 @@ def time_sampling(logits: torch.Tensor, args) -> float:
     return cuda_ms(lambda: sample(logits, params, generator), args.steps)
 
 
-def profile_table(model, args, context: int) -> str:
+def profile_table(model, args, context: int, liger: bool = False) -> str:
     from torch.profiler import ProfilerActivity, profile
 
     decoder = StaticDecoder(model, stop_ids=[1], pad_id=0, use_cuda_graphs=False)
-    with torch.inference_mode(), decode_attention_mode(model):
-        state, _, _ = filled_state(decoder, args.batch, context, args.steps, model.config.vocab_size)
+    with torch.inference_mode(), decode_attention_mode(model), kernels(model, liger):
+        state, _, _ = filled_state(decoder, args.batch, context, args.steps, model.config.vocab_size, args.finished)
         state.forward_step()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -121,19 +151,20 @@ def profile_table(model, args, context: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
+    parser.add_argument("--shape", choices=sorted([*SHAPES, "smollm2-135m"]), default="0.5b")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--contexts", type=int, nargs="+", default=[700, 1500, 2300])
     parser.add_argument("--steps", type=int, default=64, help="timed decode steps per measurement")
     parser.add_argument("--profile", action="store_true", help="print a kernel table at the longest context")
     parser.add_argument("--liger", action="store_true", help="also time the model patched by liger-kernel")
+    parser.add_argument("--finished", type=float, default=0.0, help="share of rows that have finished (0-1)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("decode_step.py needs a CUDA GPU")
     from SPA_agent.trainer.packing import avoid_cudnn_attention
 
     avoid_cudnn_attention()  # as the local backend runs
-    model = build_model(args.shape, torch.device("cuda"))
+    model = decode_model(args.shape)
     for context in args.contexts:
         prefill_ms, step_ms = time_step(model, args, context)
         row = {"shape": args.shape, "batch": args.batch, "context": context,
@@ -150,14 +181,15 @@ def main() -> None:
     if args.profile:
         print(profile_table(model, args, max(args.contexts)), flush=True)
     if args.liger:
-        from liger_kernel.transformers import apply_liger_kernel_to_qwen2
-
-        apply_liger_kernel_to_qwen2(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                    fused_linear_cross_entropy=False, model=model)
+        liger_decode.check_liger(model)
+        liger_decode.patch_model(model)
         for context in args.contexts:
-            prefill_ms, step_ms = time_step(model, args, context)
+            prefill_ms, step_ms = time_step(model, args, context, liger=True)
             print(json.dumps({"variant": "liger", "context": context, "prefill_ms": round(prefill_ms, 2),
                               "step_ms": round(step_ms, 3)}), flush=True)
+        if args.profile:
+            print(profile_table(model, args, max(args.contexts), liger=True), flush=True)
+
 
 if __name__ == "__main__":
     main()

@@ -9,8 +9,7 @@ import importlib.util
 import pytest
 import torch
 
-from SPA_agent.generators import SamplingParams
-from SPA_agent.generators import liger_decode
+from SPA_agent.generators import SamplingParams, liger_decode
 from SPA_agent.generators.hf import HFGenerator
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24)
