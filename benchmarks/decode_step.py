@@ -119,7 +119,8 @@ def attention_times(config, args, context: int) -> dict[str, float]:
     kv_lengths = torch.full((batch,), context + 1, device="cuda", dtype=torch.int32)
     rows = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
     scale = head_dim**-0.5
-    flash = lambda: flash_decode(query, key, value, kv_lengths, rows, rows * length, scale)  # noqa: E731
+    cu_q = rows * (heads // kv_heads)  # the grouped queries: G a row
+    flash = lambda: flash_decode(query, key, value, kv_lengths, cu_q, rows * length, scale)  # noqa: E731
     masked = lambda: masked_decode(query, key, value, kv_lengths, scale)  # noqa: E731
     return {
         "flash": cuda_ms(flash, args.steps) * config.num_hidden_layers,

@@ -11,8 +11,9 @@ dominates decoding time for GQA models at large batch. Here:
   longest prompt) causally, without a mask, so SDPA takes its flash kernel; the first new token's logits come
   from each row's last prompt position;
 - each decode step feeds one token per sequence. On an Ampere or newer GPU with bf16/fp16 weights, attention is
-  flash attention's variable-length kernel reading each row's first `kv_lengths[b]` keys (`seqused_k`), with
-  grouped-query heads natively: keys and values are never copied, and padding and the unwritten tail are never
+  flash attention's variable-length kernel reading each row's first `kv_lengths[b]` keys (`seqused_k`); the G
+  query heads that share a key/value head run as G query positions of that head, so each key/value is read once
+  per row and head (not G times), keys and values are never copied, and padding and the unwritten tail are never
   read. Elsewhere the same prefix is masked in one SDPA call whose query rows are the G = H / H_kv query heads
   sharing a key/value head;
 - a row that has finished (emitted an end of turn) keeps its place in the batch but attends to its first key only:
@@ -49,7 +50,7 @@ from SPA_agent.generators.base import SamplingParams
 
 ATTENTION_NAME = "spa_decode_attention"
 #: keyword argument the decode step passes down to the attention layers: (kv_lengths (B,) int32, cu_seqlens_q
-#: (B+1,) int32, cu_seqlens_k (B+1,) int32), see `decode_attention`
+#: (B+1,) int32 of the grouped queries, b·G, cu_seqlens_k (B+1,) int32, b·L), see `flash_decode`
 DECODE_KWARG = "spa_decode"
 # On GPU, cache lengths are multiples of this, so batches of similar length share a graph.
 PROMPT_BUCKET = 64
@@ -89,17 +90,36 @@ def decode_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     return masked_decode(query, key, value, decode[0], scaling), None
 
 
+def grouped_queries(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Decode queries (B, H, 1, D) as G = H / H_kv query *positions* of H_kv heads per row, (B·G, H_kv, D): the
+    G query heads that share a key/value head become G queries of that head. Row b's queries are positions
+    [b·G, (b+1)·G), each reading the row's keys without a causal mask, so a kernel reads every key/value once per
+    row and key/value head instead of once per query head. Query head h uses key/value head h // G, as in
+    transformers' `repeat_kv`."""
+    batch, heads, _, head_dim = query.shape
+    group = heads // kv_heads
+    return query.view(batch, kv_heads, group, head_dim).transpose(1, 2).reshape(batch * group, kv_heads, head_dim)
+
+
+def ungrouped_output(output: torch.Tensor, batch: int) -> torch.Tensor:
+    """The attention output of `grouped_queries`, (B·G, H_kv, D), back in head order: (B, 1, H, D)."""
+    _, kv_heads, head_dim = output.shape
+    group = output.shape[0] // batch
+    return output.view(batch, group, kv_heads, head_dim).transpose(1, 2).reshape(batch, 1, group * kv_heads, head_dim)
+
+
 def flash_decode(query, key, value, kv_lengths, cu_q, cu_k, scaling=None) -> torch.Tensor:
     """Flash attention's variable-length kernel: query (B, H, 1, D), cache (B, L, H_kv, D), row b reading its
-    first kv_lengths[b] keys; (B, 1, H, D)."""
+    first kv_lengths[b] keys; (B, 1, H, D). The query heads sharing a key/value head run as that head's G query
+    positions (`grouped_queries`; cu_q = b·G), so each key/value is read once per row and head, not G times."""
     batch, heads, _, head_dim = query.shape
     length, kv_heads = key.shape[1], key.shape[2]
     output = torch.ops.aten._flash_attention_forward(
-        query.reshape(batch, heads, head_dim), key.view(batch * length, kv_heads, head_dim),
-        value.view(batch * length, kv_heads, head_dim), cu_q, cu_k, 1, length, 0.0, False, False,
+        grouped_queries(query, kv_heads), key.view(batch * length, kv_heads, head_dim),
+        value.view(batch * length, kv_heads, head_dim), cu_q, cu_k, heads // kv_heads, length, 0.0, False, False,
         scale=scaling, seqused_k=kv_lengths,
     )[0]
-    return output.view(batch, 1, heads, head_dim)
+    return ungrouped_output(output, batch)
 
 
 def masked_decode(query, key, value, kv_lengths, scaling=None) -> torch.Tensor:
@@ -219,11 +239,14 @@ class _DecodeState:
         self.input_ids = torch.zeros((batch, 1), dtype=torch.long, device=device)
         self.positions = torch.zeros(batch, dtype=torch.long, device=device)  # of the token being fed
         rows = torch.arange(batch + 1, dtype=torch.int32, device=device)
+        heads = model.config.num_attention_heads
+        group = heads // (getattr(model.config, "num_key_value_heads", None) or heads)  # query heads per kv head
         self.row_starts = rows[:-1].long() * max_len
         self.write_rows = torch.zeros(batch, dtype=torch.long, device=device)
         self.kv_lengths = torch.zeros(batch, dtype=torch.int32, device=device)
         self.finished = torch.zeros(batch, dtype=torch.bool, device=device)  # rows that emitted an end of turn
-        self.decode = (self.kv_lengths, rows, rows * max_len)  # DECODE_KWARG: lengths, cu_seqlens q and k
+        # DECODE_KWARG: lengths, cu_seqlens of the grouped queries (G a row) and of the keys
+        self.decode = (self.kv_lengths, rows * group, rows * max_len)
         self.cache = StaticKVCache(batch, max_len, self.write_rows)
         self.graph, self.logits = None, None
         self.capture_s = 0.0

@@ -105,7 +105,7 @@ def _decode_inputs(device="cpu", dtype=torch.float32, batch=3, length=11, head_d
     kv_lengths = torch.tensor([1, *torch.randint(2, length + 1, (batch - 1,), generator=gen).tolist()])
     rows = torch.arange(batch + 1)
     to = dict(device=device, dtype=dtype)
-    decode = (kv_lengths.int().to(device), rows.int().to(device), (rows * length).int().to(device))
+    decode = (kv_lengths.int().to(device), (rows * 3).int().to(device), (rows * length).int().to(device))  # G = 3
     return query.to(**to), key.to(**to), value.to(**to), kv_lengths, decode
 
 
@@ -128,6 +128,32 @@ def test_decode_attention_reads_each_rows_prefix_of_the_cache():
     key[0, 1:], value[0, 1:] = 1e4, -1e4
     again, _ = decode_attention(_Attention(), query, key, value, None, scaling=0.5, **{DECODE_KWARG: decode})
     torch.testing.assert_close(again, output)
+
+
+def _varlen_attention(query, key, value, cu_q, cu_k, kv_lengths, scale):
+    """Flash attention's variable-length contract, unmasked within a row: the queries at positions
+    [cu_q[b], cu_q[b+1]) read the keys at [cu_k[b], cu_k[b] + kv_lengths[b]); (positions, H_kv, D) in and out."""
+    output = torch.empty_like(query)
+    for b in range(len(kv_lengths)):
+        queries, first = slice(cu_q[b], cu_q[b + 1]), int(cu_k[b])
+        keys = slice(first, first + int(kv_lengths[b]))
+        weights = torch.einsum("qhd,khd->hqk", query[queries], key[keys]).mul(scale).softmax(dim=-1)
+        output[queries] = torch.einsum("hqk,khd->qhd", weights, value[keys])
+    return output
+
+
+def test_grouped_query_positions_give_every_query_heads_attention():
+    """flash_decode runs the G query heads sharing a key/value head as G query positions of that head (cu_q = b·G):
+    under the variable-length contract that layout gives each query head its own key/value head's attention."""
+    from SPA_agent.generators.static_decode import grouped_queries, ungrouped_output
+
+    query, key, value, kv_lengths, (lengths, cu_q, cu_k) = _decode_inputs(batch=4)
+    batch, length, kv_heads, head_dim = key.shape
+    grouped = grouped_queries(query, kv_heads)
+    assert grouped.shape == (batch * 3, kv_heads, head_dim)
+    output = _varlen_attention(grouped, key.reshape(-1, kv_heads, head_dim), value.reshape(-1, kv_heads, head_dim),
+                               cu_q, cu_k, lengths, 0.5)
+    torch.testing.assert_close(ungrouped_output(output, batch), _reference_decode(query, key, value, kv_lengths))
 
 
 def test_prefill_attention_is_causal_over_the_chunk():
