@@ -1,4 +1,5 @@
-"""verl's log-prob head without flash-attn against the chunked one of `verl_patches` (issue 28), forward and backward.
+"""verl's log-prob head without flash-attn against the chunked one of `SPA_agent/trainer/verl_backend/patches.py`
+(issue 28), forward and backward.
 
     python benchmarks/logprob_head.py --tokens 80000 --vocab 860      # the 0.5B speed run's tokens per GPU pass
     python benchmarks/logprob_head.py --tokens 16384 --vocab 151936   # one Qwen micro-batch of token budget
@@ -19,7 +20,7 @@ import time
 import torch
 from verl.utils.torch_functional import logprobs_from_logits_v2
 
-from SPA_agent.trainer.verl_patches import logprobs_from_logits
+from SPA_agent.trainer.verl_backend.patches import logprobs_from_logits
 
 
 def timed(fn, logits: torch.Tensor, labels: torch.Tensor, repeats: int) -> tuple[float, torch.Tensor]:

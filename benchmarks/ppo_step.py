@@ -36,7 +36,7 @@ from verl import DataProto
 from SPA_agent.config import compose
 from SPA_agent.generators.base import Prompt
 from SPA_agent.trainer import algos
-from SPA_agent.trainer.local_backend import LocalBackend
+from SPA_agent.trainer.local_backend.backend import LocalBackend
 from SPA_agent.trainer.metrics import operator_table
 
 EOS_IDS, PAD_ID = [1, 2], 0  # ids the random prompts never contain

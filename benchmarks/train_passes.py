@@ -8,8 +8,8 @@ log-probs, values, critic update and actor update of a synthetic kept batch, tim
 The batch is shaped like the one the paper's step trains (`_2_sokoban`: 64 kept trajectories of about 2,540 tokens,
 58% of them sampled; random ids, left padded as the agent proxy pads). The passes are the backends' own methods:
 `LocalBackend` on one device, or `VerlBackend` driving verl's real workers (`ActorRolloutRefWorker` for the actor
-and for the reference, `TrainingWorker` for the critic, `verl_patches` applied) built in this process, one torchrun
-rank per GPU, each rank holding the share of the batch that verl's dispatch gives it (after VerlBackend's
+and for the reference, `TrainingWorker` for the critic, `verl_backend/patches.py` applied) built in this process,
+one torchrun rank per GPU, each rank holding the share of the batch that verl's dispatch gives it (after VerlBackend's
 balanced reordering, `trainer.balance_batch`). No Ray and no
 rollout engine: a setting's effect on the passes takes about a minute to measure, not a full run's four-minute
 start. `--set` overrides our config (Hydra syntax), verl's own keys through `verl_backend.verl_config`, e.g.
@@ -50,9 +50,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from SPA_agent.config import compose  # noqa: E402
-from SPA_agent.trainer import verl_layout  # noqa: E402
 from SPA_agent.trainer.gc_heap import freeze_long_lived_objects  # noqa: E402
 from SPA_agent.trainer.metrics import operator_table  # noqa: E402
+from SPA_agent.trainer.verl_backend import layout as verl_layout  # noqa: E402
 
 #: the passes in the order a PPO step runs them
 PASSES = ("old_log_prob", "ref", "values", "update_critic", "update_actor")
@@ -99,9 +99,9 @@ def verl_backend(cfg, tokenizer):
     """VerlBackend over verl's workers built here (this rank's share of each model)."""
     from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
-    from SPA_agent.trainer import verl_patches
-    from SPA_agent.trainer.verl_backend import VerlBackend, critic_setup, ray_runtime_env
-    from SPA_agent.trainer.verl_config import build_verl_config
+    from SPA_agent.trainer.verl_backend import patches as verl_patches
+    from SPA_agent.trainer.verl_backend.backend import VerlBackend, critic_setup, ray_runtime_env
+    from SPA_agent.trainer.verl_backend.config import build_verl_config
 
     verl_cfg = build_verl_config(cfg)
     worker_env = ray_runtime_env(verl_cfg, False, cfg.trainer.gc_freeze, model_runner="auto",
@@ -143,11 +143,12 @@ class AsyncPassesRank(PassesRank):
 
 def in_ray(args: argparse.Namespace) -> dict:
     """The ranks as Ray actors in the verl backend's Ray job environment; without `--setup-hook`, without its
-    worker setup hook (each rank applies `verl_patches` itself, after `--rank-setup`); returns rank 0's result."""
+    worker setup hook (each rank applies `verl_backend/patches.py` itself, after `--rank-setup`); returns rank 0's
+    result."""
     import ray
 
-    from SPA_agent.trainer.verl_backend import local_cluster_env, ray_runtime_env
-    from SPA_agent.trainer.verl_config import build_verl_config
+    from SPA_agent.trainer.verl_backend.backend import local_cluster_env, ray_runtime_env
+    from SPA_agent.trainer.verl_backend.config import build_verl_config
 
     cuda = torch.cuda.is_available()
     cfg = compose_run(args, args.ray, cuda)
@@ -289,7 +290,7 @@ def run_rank(args: argparse.Namespace) -> dict:
     share = args.trajectories // world
     batch = batch[rank * share:(rank + 1) * share]  # verl's dispatch: contiguous chunks, one per data-parallel rank
     if args.backend == "local":
-        from SPA_agent.trainer.local_backend import LocalBackend
+        from SPA_agent.trainer.local_backend.backend import LocalBackend
 
         backend = LocalBackend(cfg, tokenizer)
     else:

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from SPA_agent.config import compose
-from SPA_agent.trainer.verl_config import VLLM_MODEL_RUNNERS, model_runner_env
+from SPA_agent.trainer.verl_backend.config import VLLM_MODEL_RUNNERS, model_runner_env
 
 #: engine steps skipped after the profiler is asked to start (the prefill of 128 prompts of 600 ids in chunks of
 #: 8,192 tokens takes about ten), then the decoding steps profiled

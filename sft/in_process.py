@@ -13,7 +13,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from sft.spa_sft_trainer import SftTrainer
-from SPA_agent.runs.checkpoint_dirs import checkpoints
+from SPA_agent.runs import checkpoints
 
 CONFIG_DIR = Path(__file__).resolve().parent / "config"
 
@@ -41,4 +41,4 @@ def train(overrides: Sequence[str] = ()) -> Path:
     """One rank trained to the end; returns the last `global_step_N` checkpoint directory."""
     cfg = compose(overrides)
     run(cfg)
-    return checkpoints(cfg.trainer.default_local_dir)[-1][1]
+    return checkpoints.saved(cfg.trainer.default_local_dir)[-1][1]

@@ -27,7 +27,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.utils.distributed import get_free_port
 from tqdm import tqdm
 
-from sft import checkpointing as ckpt
 from sft.config_checks import check_sft_config
 from sft.fsdp_model import (
     full_state_dict,
@@ -50,7 +49,7 @@ from sft.packing import (
 from sft.spa_sft_dataset import SpaSftDataset
 from SPA_agent.entry import EXIT_INTERRUPTED, hydra_entry
 from SPA_agent.model_presets import resolve_model_path
-from SPA_agent.runs import atomic_io, checkpoint_dirs, run_identity
+from SPA_agent.runs import atomic_io, checkpoints, run_identity
 from SPA_agent.runs.compile_cache import use_persistent_compile_cache
 from SPA_agent.runs.dir_lock import HOLDER_ENV, DirLock, adopt_locks_of, check_unlocked, check_writable
 from SPA_agent.runs.lora import add_lora
@@ -161,7 +160,7 @@ class SftTrainer:
         dist.barrier()
         resumed = self._maybe_resume() if resume else 0
         if self.rank == 0:
-            checkpoint_dirs.clean_staging(self.out_dir)
+            checkpoints.clean_staging(self.out_dir)
             OmegaConf.save(self.cfg, self.out_dir / "sft_config.yaml")
             truncation = self.report_truncation()
             self.metrics = MetricsLogger(self.out_dir, list(self.cfg.trainer.logger), self.cfg.trainer.project_name,
@@ -276,10 +275,10 @@ class SftTrainer:
 
     def _maybe_resume(self) -> int:
         """Load the newest resumable checkpoint of a run with the same identity; returns its step (0 if none)."""
-        latest = ckpt.latest_resumable(self.out_dir)
-        if latest is None:
+        step = checkpoints.latest_step(self.out_dir)
+        if step is None:
             return 0
-        self._load_checkpoint(latest)
+        self._load_checkpoint(checkpoints.step_dir(self.out_dir, step))
         return self.global_step
 
     def _load_checkpoint(self, path: Path) -> None:
@@ -289,7 +288,7 @@ class SftTrainer:
             set_optimizer_state_dict,
         )
 
-        state_dir = path / ckpt.TRAIN_STATE
+        state_dir = path / checkpoints.TRAIN_STATE
         options = StateDictOptions(full_state_dict=True, strict=False)
         if self.lora_scale is None:
             from safetensors.torch import load_file
@@ -306,7 +305,7 @@ class SftTrainer:
         rng_file = state_dir / f"rng_rank{self.rank}.pt"
         if rng_file.is_file():
             torch.set_rng_state(torch.load(rng_file, weights_only=True))
-        self.global_step = ckpt.read_state(path)["global_step"]
+        self.global_step = checkpoints.read_train_state(path)["global_step"]
         if self.rank == 0:
             print(f"resumed from {path} (step {self.global_step})", flush=True)
 
@@ -418,29 +417,31 @@ class SftTrainer:
         """Write `global_step_N/` (HF model + tokenizer + train_state/) atomically; prune old ones."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        staging = checkpoint_dirs.staging_dir(self.out_dir, self.global_step)
+        staging = checkpoints.staging_dir(self.out_dir, self.global_step)
         state = full_state_dict(self.model)
         optim_state = get_optimizer_state_dict(self.model, self.optimizer,
                                                options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank == 0:
-            staging.mkdir(parents=True, exist_ok=True)
+            checkpoints.stage(self.out_dir, self.global_step)
             self._save_hf(staging, state)
-            state_dir = staging / ckpt.TRAIN_STATE
+            state_dir = staging / checkpoints.TRAIN_STATE
             state_dir.mkdir(exist_ok=True)
             torch.save(optim_state, state_dir / "optimizer.pt")
             torch.save(self.scheduler.state_dict(), state_dir / "scheduler.pt")
             if self.lora_scale is not None:
                 torch.save(trainable_state_dict(self.model, state), state_dir / "adapter.pt")
         dist.barrier()
-        torch.save(torch.get_rng_state(), staging / ckpt.TRAIN_STATE / f"rng_rank{self.rank}.pt")
+        torch.save(torch.get_rng_state(), staging / checkpoints.TRAIN_STATE / f"rng_rank{self.rank}.pt")
         dist.barrier()
-        final = checkpoint_dirs.step_dir(self.out_dir, self.global_step)
+        final = checkpoints.step_dir(self.out_dir, self.global_step)
         if self.rank == 0:
             epoch, index = divmod(self.global_step, self.steps_per_epoch)
-            ckpt.write_state(staging, {"global_step": self.global_step, "epoch": epoch, "step_in_epoch": index,
-                                       "end_of_epoch": end_of_epoch, "total_steps": self.total_steps})
-            checkpoint_dirs.publish(self.out_dir, self.global_step)
-            ckpt.prune(self.out_dir, self.cfg.trainer.max_ckpt_to_keep)
+            checkpoints.write_train_state(staging, {
+                "global_step": self.global_step, "epoch": epoch, "step_in_epoch": index,
+                "end_of_epoch": end_of_epoch, "total_steps": self.total_steps})
+            # older checkpoints lose their training state; their weights stay only if they closed an epoch
+            keep = {checkpoints.TRAIN_STATE: self.cfg.trainer.max_ckpt_to_keep}
+            checkpoints.commit(self.out_dir, self.global_step, keep, keep_rest=checkpoints.closed_an_epoch)
         dist.barrier()
         return final
 
@@ -453,7 +454,7 @@ class SftTrainer:
         """The Ctrl-C line: what was kept and how to continue."""
         if preflight:
             return "nothing was written (only the checks ran); run the same command again"
-        saved = checkpoint_dirs.checkpoints(self.out_dir)
+        saved = checkpoints.saved(self.out_dir)
         if not saved:
             return f"no checkpoint was saved yet in {self.out_dir}; run the same command again"
         return (f"the checkpoints saved so far are in {self.out_dir} (latest {saved[-1][1].name}); the same command "

@@ -1,6 +1,7 @@
 """Wrapping a model with PEFT LoRA adapters, configured by the same keys in both trainers: `model.*` of the SFT
 config and `<role>.model.*` of the PPO config (verl's names: `lora_rank`, `lora_alpha`, `target_modules`,
-`exclude_modules`). What the PPO trainer does with adapted models is in SPA_agent/trainer/lora.py."""
+`exclude_modules`). What the PPO trainer does with adapted models is in
+SPA_agent/trainer/local_backend/lora.py."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from SPA_agent.runs import run_identity
-from SPA_agent.runs.checkpoint_dirs import STAGING_GLOB, STEP_GLOB
+from SPA_agent.runs.checkpoints import STAGING_GLOB, STEP_GLOB
 from SPA_agent.runs.metrics_logger import METRICS_FILE
 
 #: what every trainer writes into its output directory: checkpoints (complete and staged), the metric log, wandb's

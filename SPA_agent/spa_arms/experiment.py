@@ -71,7 +71,7 @@ class Experiment:
         return self.out / json.loads(marker.read_text())["checkpoint"] if marker.is_file() else None
 
     def ppo_step(self, arm: str) -> int | None:
-        from SPA_agent.trainer.checkpoint import latest_step
+        from SPA_agent.runs.checkpoints import latest_step
 
         return latest_step(self.ppo_dir(arm))
 
@@ -91,13 +91,13 @@ class Experiment:
                    lambda: (out / CARD_FILE).is_file())
 
     def sft_job(self, arm: str) -> Job:
-        from SPA_agent.runs.checkpoint_dirs import checkpoints
+        from SPA_agent.runs.checkpoints import saved
 
         data, loss_target, _ = ARMS[arm]
         data_dir, out = self.out / data, self.sft_dir(arm)
 
         def record_checkpoint() -> None:
-            checkpoint = checkpoints(out)[-1][1].relative_to(self.out)  # relative: the directory may move
+            checkpoint = saved(out)[-1][1].relative_to(self.out)  # relative: the directory may move
             atomic_io.write_json(self.sft_marker(arm), {"checkpoint": str(checkpoint)})
 
         return Job(f"sft-{arm}", [

@@ -15,8 +15,8 @@ from omegaconf import DictConfig
 from verl import DataProto
 
 #: backend name -> "module:class"
-BACKENDS = {"local": "SPA_agent.trainer.local_backend:LocalBackend",
-            "verl": "SPA_agent.trainer.verl_backend:VerlBackend"}
+BACKENDS = {"local": "SPA_agent.trainer.local_backend.backend:LocalBackend",
+            "verl": "SPA_agent.trainer.verl_backend.backend:VerlBackend"}
 
 
 class WorkerGroup(Protocol):

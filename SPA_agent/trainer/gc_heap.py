@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 #: with this environment variable "1", verl's workers freeze their start-up objects after building their models
-#: (`verl_patches`; the driver sets it for the Ray job when trainer.gc_freeze is on)
+#: (`verl_backend/patches.py`; the driver sets it for the Ray job when trainer.gc_freeze is on)
 WORKER_GC_FREEZE_ENV = "SPA_GC_FREEZE"
 
 

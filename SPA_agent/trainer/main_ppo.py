@@ -33,6 +33,7 @@ from SPA_agent.entry import (
 )
 from SPA_agent.runs import run_identity
 from SPA_agent.runs.atomic_io import write_text
+from SPA_agent.runs.checkpoints import LATEST_FILE
 from SPA_agent.runs.compile_cache import use_persistent_compile_cache
 from SPA_agent.runs.dir_lock import DirLock, check_unlocked, check_writable
 from SPA_agent.runs.progress import quiet_library_progress
@@ -42,7 +43,7 @@ from SPA_agent.trainer.gc_heap import start_up_objects_frozen
 #: a PPO run's directory: besides every trainer's outputs it writes the latest-step file and its config; config keys
 #: beyond every trainer's that do not change its content (the starting models enter its identity by checksum)
 RUN_DIR = TrainerDir.declare(
-    owned=("latest_checkpointed_iteration.txt", "config.yaml"),
+    owned=(LATEST_FILE, "config.yaml"),
     ignored=("trainer.resume_mode", "trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep", "model_path",
              "actor_rollout_ref.model.path", "critic.model.path", "system", "output_root", "data_gen", "evaluation",
              "trainer.diagnostics"),

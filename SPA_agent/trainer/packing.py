@@ -11,8 +11,8 @@ A rollout batch is (B, T), left padded. Two independent choices (verl's names):
 Packed rows run through `packed_sdpa_attention`: per layer, one causal SDPA call per trajectory over its own
 tokens, so no token attends across a trajectory boundary and no (L, L) mask is computed over. Outputs are
 scattered back to the padded (b, T-1) layout, so the losses see exactly the tensors of the padded path. The same
-attention serves verl's packed micro-batches without flash-attn (`verl_patches`), which mark the trajectories only
-by restarting `position_ids`.
+attention serves verl's packed micro-batches without flash-attn (`verl_backend/patches.py`), which mark the
+trajectories only by restarting `position_ids`.
 """
 
 from __future__ import annotations

@@ -28,10 +28,10 @@ from tqdm.auto import tqdm
 from verl import DataProto
 from verl.trainer.ppo import core_algos
 
-from SPA_agent.runs import checkpoint_dirs
+from SPA_agent.runs import checkpoints
 from SPA_agent.runs.metrics_logger import MetricsLogger
 from SPA_agent.runs.progress import plain_line, progress_bar
-from SPA_agent.trainer import algos, checkpoint
+from SPA_agent.trainer import algos
 from SPA_agent.trainer.backend import WorkerGroup
 from SPA_agent.trainer.diagnostics import Diagnostics
 from SPA_agent.trainer.metrics import FullCollections, PhaseTimer, data_metrics, mean_metrics, prefixed
@@ -174,25 +174,25 @@ class PPOTrainer:
         state = {"proxy": self.proxy.state_dict(), "kl_coef": self.kl_ctrl.value,
                  "generator": _generator_state(self.backend)}
         keep = {"actor": trainer_cfg.max_actor_ckpt_to_keep, "critic": trainer_cfg.max_critic_ckpt_to_keep}
-        return checkpoint.save_checkpoint(self.output_dir, self.global_step, self.backend.save, state, keep)
+        return checkpoints.save_checkpoint(self.output_dir, self.global_step, self.backend.save, state, keep)
 
     def resume(self) -> int:
         """With resume_mode=auto, load the latest checkpoint under default_local_dir; the step resumed from."""
         if self.cfg.trainer.resume_mode != "auto":
             return 0
-        step = checkpoint.latest_step(self.output_dir)
+        step = checkpoints.latest_step(self.output_dir)
         if step is None:  # stopped before its first checkpoint: the run starts over and logs step 0 again
             self.logger.truncate_after(-1)
             return 0
-        self.backend.load(checkpoint_dirs.step_dir(self.output_dir, step))
-        state = checkpoint.load_trainer_state(self.output_dir, step)
+        self.backend.load(checkpoints.step_dir(self.output_dir, step))
+        state = checkpoints.load_trainer_state(self.output_dir, step)
         self.proxy.load_state_dict(state["proxy"])
         self.kl_ctrl.value = state["kl_coef"]
         _load_generator_state(self.backend, state.get("generator"))
-        checkpoint.set_rng_state(state["rng"])
+        checkpoints.set_rng_state(state["rng"])
         self.global_step = step
         self.logger.truncate_after(step)
-        tqdm.write(f"resumed from {checkpoint_dirs.step_dir(self.output_dir, step)}")
+        tqdm.write(f"resumed from {checkpoints.step_dir(self.output_dir, step)}")
         return step
 
 

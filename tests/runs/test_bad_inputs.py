@@ -147,7 +147,7 @@ def test_a_redirected_critic_load_says_in_one_line_that_its_value_head_is_new(qu
     from huggingface_hub.utils import are_progress_bars_disabled
     from transformers.utils import logging
 
-    from SPA_agent.trainer.local_models import load_critic
+    from SPA_agent.trainer.local_backend.models import load_critic
 
     assert are_progress_bars_disabled() and not logging.is_progress_bar_enabled()
     load_critic(str(tiny_dir), torch.device("cpu"), gradient_checkpointing=False)

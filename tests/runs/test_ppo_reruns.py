@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from SPA_agent.config import compose
-from SPA_agent.runs import checkpoint_dirs, run_identity
+from SPA_agent.runs import checkpoints, run_identity
 from SPA_agent.runs.dir_lock import LOCK_FILE, DirectoryLockedError, UnwritableDirectoryError
 from SPA_agent.runs.metrics_logger import MetricsLogger, read_metrics
 from SPA_agent.tiny import tiny_model_dir
@@ -83,7 +83,7 @@ def test_a_live_writer_or_an_unwritable_directory_is_refused(finished_run, tmp_p
 
 def test_fresh_run_removes_only_the_stage_outputs(finished_run):
     (finished_run / "notes.md").write_text("mine")
-    checkpoint_dirs.staging_dir(finished_run, 2).mkdir()
+    checkpoints.staging_dir(finished_run, 2).mkdir()
     identity = run_identity_of(config(finished_run, "actor_rollout_ref.actor.optim.lr=1e-5"))
     RUN_DIR.reset(finished_run, identity)
     assert sorted(p.name for p in finished_run.iterdir()) == ["notes.md", run_identity.IDENTITY_FILE]

@@ -168,8 +168,7 @@ def test_jobs_run_in_parallel_on_their_devices_and_a_failure_is_reported_after_a
 def test_wm_stage_evaluates_the_last_saved_actor_of_an_unfinished_run(tmp_path):
     """A run that a lease ended before its last step: `all` (beside PPO) leaves it alone, the wm stage evaluates its
     last saved actor, and the report names that step."""
-    from SPA_agent.runs.checkpoint_dirs import step_dir
-    from SPA_agent.trainer.checkpoint import LATEST_FILE, TRAINER_STATE_FILE
+    from SPA_agent.runs.checkpoints import LATEST_FILE, TRAINER_STATE_FILE, step_dir
 
     exp = Experiment(tmp_path, Settings(arms=("spa",), ppo_steps=10))
     run = exp.ppo_dir("spa")

@@ -33,7 +33,7 @@ def _update_both(model_dir: str) -> list[dict]:
     from transformers import AutoTokenizer
     from verl_cpu import CPU_SETTINGS
 
-    from SPA_agent.trainer.local_backend import LocalBackend
+    from SPA_agent.trainer.local_backend.backend import LocalBackend
 
     settings = ["actor_rollout_ref.actor.use_ref=False", "ppo_mini_batch_size=2", "critic.ppo_mini_batch_size=2",
                 "actor_rollout_ref.actor.ppo_epochs=2", "use_dynamic_bsz=False"]

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from SPA_agent.config import ENTRY_CONFIGS, compose
-from SPA_agent.runs import checkpoint_dirs
-from SPA_agent.trainer import checkpoint
+from SPA_agent.runs import checkpoints
 from SPA_agent.trainer.config_checks import check_config
 
 
@@ -48,48 +47,48 @@ def test_token_budgets_free_the_micro_batch_count_from_the_mini_batch():
 
 
 def _write_models(directory):
-    for role in checkpoint.ROLES:
+    for role in checkpoints.ROLES:
         (directory / role).mkdir()
         (directory / role / "weights").write_text(role)
 
 
 def test_checkpoints_are_renamed_into_place_and_pruned(tmp_path):
     for step in (1, 2, 3):
-        checkpoint.save_checkpoint(tmp_path, step, _write_models, {"proxy": {"train": {"seed_counter": step}}},
-                                   keep={"actor": 1, "critic": 2})
-    assert checkpoint.latest_step(tmp_path) == 3
-    assert checkpoint_dirs.saved_steps(tmp_path) == [2, 3]
+        checkpoints.save_checkpoint(tmp_path, step, _write_models, {"proxy": {"train": {"seed_counter": step}}},
+                                    keep={"actor": 1, "critic": 2})
+    assert checkpoints.latest_step(tmp_path) == 3
+    assert checkpoints.saved_steps(tmp_path) == [2, 3]
     assert not (tmp_path / "global_step_2" / "actor").exists()
     assert (tmp_path / "global_step_2" / "critic").exists()
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir() if p.is_dir())
-    state = checkpoint.load_trainer_state(tmp_path, 3)
+    state = checkpoints.load_trainer_state(tmp_path, 3)
     assert state["step"] == 3 and state["proxy"]["train"]["seed_counter"] == 3
 
 
 def test_interrupted_save_leaves_the_previous_checkpoint_latest(tmp_path):
-    checkpoint.save_checkpoint(tmp_path, 1, _write_models, {}, keep={"actor": 1, "critic": 1})
+    checkpoints.save_checkpoint(tmp_path, 1, _write_models, {}, keep={"actor": 1, "critic": 1})
 
     def crash(directory):
         (directory / "actor").mkdir()
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        checkpoint.save_checkpoint(tmp_path, 2, crash, {}, keep={"actor": 1, "critic": 1})
-    assert checkpoint.latest_step(tmp_path) == 1
-    assert checkpoint_dirs.saved_steps(tmp_path) == [1]
+        checkpoints.save_checkpoint(tmp_path, 2, crash, {}, keep={"actor": 1, "critic": 1})
+    assert checkpoints.latest_step(tmp_path) == 1
+    assert checkpoints.saved_steps(tmp_path) == [1]
 
 
 def test_rng_state_round_trips():
-    state = checkpoint.rng_state()
+    state = checkpoints.rng_state()
     expected = torch.rand(3)
-    checkpoint.set_rng_state(state)
+    checkpoints.set_rng_state(state)
     torch.testing.assert_close(torch.rand(3), expected)
 
 
 def test_latest_file_pointing_at_a_missing_checkpoint_is_an_error(tmp_path):
-    (tmp_path / checkpoint.LATEST_FILE).write_text("7\n")
+    (tmp_path / checkpoints.LATEST_FILE).write_text("7\n")
     with pytest.raises(FileNotFoundError, match="resume_mode=disable"):
-        checkpoint.latest_step(tmp_path)
+        checkpoints.latest_step(tmp_path)
 
 
 def test_a_rerun_before_the_first_checkpoint_logs_step_0_once(ppo_config, tmp_path):

@@ -21,7 +21,7 @@ from SPA_agent.trainer.diagnostics import (
     rollout_diagnostics,
     span_entropy_metrics,
 )
-from SPA_agent.trainer.local_backend import LocalBackend
+from SPA_agent.trainer.local_backend.backend import LocalBackend
 from SPA_agent.trainer.token_spans import (
     ANSWER,
     OTHER,

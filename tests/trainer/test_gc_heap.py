@@ -12,7 +12,10 @@ from types import SimpleNamespace
 import pytest
 
 from SPA_agent.config import compose
-from SPA_agent.trainer import gc_heap, main_ppo, verl_backend, verl_config, verl_patches
+from SPA_agent.trainer import gc_heap, main_ppo
+from SPA_agent.trainer.verl_backend import backend as verl_backend
+from SPA_agent.trainer.verl_backend import config as verl_config
+from SPA_agent.trainer.verl_backend import patches as verl_patches
 
 
 @pytest.fixture

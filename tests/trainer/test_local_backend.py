@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-from SPA_agent.trainer.local_backend import LocalBackend
+from SPA_agent.trainer.local_backend.backend import LocalBackend
 
 #: the padded micro-batch path (fixed trajectory counts), the reference of the packed one (test_packing.py)
 PADDED = ("use_dynamic_bsz=False", "actor_rollout_ref.model.use_remove_padding=False",

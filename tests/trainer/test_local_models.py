@@ -6,7 +6,7 @@ import pytest
 import torch
 from verl.utils import torch_functional as verl_F
 
-from SPA_agent.trainer.local_models import _head_log_probs, _LogProbsAndEntropy
+from SPA_agent.trainer.local_backend.models import _head_log_probs, _LogProbsAndEntropy
 
 
 def _reference(head, hidden, targets, temperature, with_entropy):

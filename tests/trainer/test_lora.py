@@ -11,9 +11,9 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from SPA_agent.runs.metrics_logger import read_metrics
-from SPA_agent.trainer import local_models as lm
-from SPA_agent.trainer import lora
-from SPA_agent.trainer.local_backend import LocalBackend
+from SPA_agent.trainer.local_backend import lora
+from SPA_agent.trainer.local_backend import models as lm
+from SPA_agent.trainer.local_backend.backend import LocalBackend
 from SPA_agent.trainer.main_ppo import run
 
 #: LoRA on actor and critic, a learning rate that moves the adapters visibly in one step

@@ -13,7 +13,7 @@ from verl.trainer.ppo import core_algos
 
 from SPA_agent.trainer import algos
 from SPA_agent.trainer.config_checks import check_config
-from SPA_agent.trainer.local_backend import _loss_normalisers
+from SPA_agent.trainer.local_backend.backend import _loss_normalisers
 from SPA_agent.trainer.metrics import PhaseTimer
 from SPA_agent.trainer.ppo_trainer import PPOTrainer
 

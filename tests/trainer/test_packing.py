@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from SPA_agent.trainer import local_models as lm
-from SPA_agent.trainer.local_backend import LocalBackend
+from SPA_agent.trainer.local_backend import models as lm
+from SPA_agent.trainer.local_backend.backend import LocalBackend
 from SPA_agent.trainer.packing import (
     PackedRows,
     avoid_cudnn_attention,

@@ -12,10 +12,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from SPA_agent.plots import plot_dir
-from SPA_agent.runs import checkpoint_dirs
+from SPA_agent.runs import checkpoints
 from SPA_agent.runs.dir_lock import DirLock
 from SPA_agent.runs.metrics_logger import read_metrics
-from SPA_agent.trainer import checkpoint
 from SPA_agent.trainer.main_ppo import build_trainer, run
 
 TRAIN_KEYS = (
@@ -51,7 +50,7 @@ def _check_run(output: Path, tag: str, steps: list[int]) -> list[dict]:
         missing = [k for k in (*TRAIN_KEYS, f"train/{tag}/success") if k not in record]
         assert not missing, missing
         assert all(math.isfinite(record[k]) for k in LOSSES)
-    assert (output / checkpoint.LATEST_FILE).read_text().strip() == str(steps[-1])
+    assert (output / checkpoints.LATEST_FILE).read_text().strip() == str(steps[-1])
     actor = AutoModelForCausalLM.from_pretrained(output / f"global_step_{steps[-1]}" / "actor")
     assert actor.config.model_type == "qwen2"
     return records
@@ -89,7 +88,7 @@ def test_sokoban_run_resumes_from_saved_step_with_the_same_seeds(ppo_config):
     overrides = ("actor_rollout_ref.model.enable_gradient_checkpointing=True",
                  "critic.model.enable_gradient_checkpointing=True", "trainer.save_freq=1", "trainer.test_freq=0")
     output = run(ppo_config("_2_sokoban", "trainer.total_training_steps=1", *overrides))
-    assert checkpoint_dirs.saved_steps(output) == [1]
+    assert checkpoints.saved_steps(output) == [1]
     lock = DirLock(output)  # build_trainer takes it once its checks pass
     try:
         trainer = build_trainer(ppo_config("_2_sokoban", "trainer.total_training_steps=2", *overrides), lock)
@@ -100,7 +99,7 @@ def test_sokoban_run_resumes_from_saved_step_with_the_same_seeds(ppo_config):
     records = _check_run(output, "SimpleSokoban", [1, 2])
     # Train seeds are seed.train + env_groups·k + g: the resumed step 2 draws rollout k = 1, not k = 0 again.
     assert [r["rollout/first_seed"] for r in records] == [10000, 10002]
-    assert checkpoint_dirs.saved_steps(output) == [2]  # max_*_ckpt_to_keep = 1
+    assert checkpoints.saved_steps(output) == [2]  # max_*_ckpt_to_keep = 1
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ from SPA_agent.config import compose
 from SPA_agent.generators import build_generator
 from SPA_agent.rollout.agent_proxy import LLMAgentProxy
 from SPA_agent.rollout.turns import turns
-from SPA_agent.trainer.verl_episode import Episode, check_supported
+from SPA_agent.trainer.verl_backend.episode import Episode, check_supported
 
 
 @pytest.fixture(scope="module", params=["_2_sokoban", "_3_frozen_lake"])
@@ -74,6 +74,6 @@ def test_agent_loop_registers_with_verl():
                         reason="verl's agent-loop module needs the GPU extras (cachetools, uvicorn, ...; come with vllm)")
     from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
 
-    from SPA_agent.trainer.verl_agent_loop import AGENT_NAME
+    from SPA_agent.trainer.verl_backend.agent_loop import AGENT_NAME
 
-    assert _agent_loop_registry[AGENT_NAME]["_target_"] == "SPA_agent.trainer.verl_agent_loop.SPAEnvAgentLoop"
+    assert _agent_loop_registry[AGENT_NAME]["_target_"] == "SPA_agent.trainer.verl_backend.agent_loop.SPAEnvAgentLoop"

@@ -17,10 +17,12 @@ from verl.workers.utils.losses import ppo_loss, value_loss
 from SPA_agent.config import compose
 from SPA_agent.generators import build_generator
 from SPA_agent.rollout.agent_proxy import LLMAgentProxy
-from SPA_agent.trainer import local_backend, verl_config, verl_layout
-from SPA_agent.trainer import local_models as lm
 from SPA_agent.trainer.backend import build_backend
-from SPA_agent.trainer.verl_backend import conversation_key, runtime_problems, update_meta
+from SPA_agent.trainer.local_backend import backend as local_backend
+from SPA_agent.trainer.local_backend import models as lm
+from SPA_agent.trainer.verl_backend import config as verl_config
+from SPA_agent.trainer.verl_backend import layout as verl_layout
+from SPA_agent.trainer.verl_backend.backend import conversation_key, runtime_problems, update_meta
 
 
 def test_unknown_backend_lists_the_valid_ones(tiny_tokenizer):
@@ -62,7 +64,7 @@ def test_engine_wakes_once_per_rollout_and_reports_its_seconds():
     """The weight sync and engine resume run once before the first turn after training, the release once before
     the first training pass; their seconds come back once (issue 28: the phases they hide in)."""
     from SPA_agent.trainer.metrics import PhaseTimer
-    from SPA_agent.trainer.verl_backend import VerlBackend
+    from SPA_agent.trainer.verl_backend.backend import VerlBackend
 
     calls = []
 
@@ -84,7 +86,7 @@ def test_vllm_requests_ask_for_the_final_token_ids_only(monkeypatch):
     import sys
     import types
 
-    from SPA_agent.trainer.verl_backend import request_options
+    from SPA_agent.trainer.verl_backend.backend import request_options
 
     class RequestOutputKind(enum.Enum):  # vllm.sampling_params's (vLLM is not installed on CPU machines)
         CUMULATIVE, DELTA, FINAL_ONLY = 0, 1, 2
@@ -216,7 +218,7 @@ class _EchoGroup:
 
 def _echo_backend(n_gpus: int, tokenizer):
     """The driver side only: the echo groups stand in for Ray's (sglang: no vLLM request options to import)."""
-    from SPA_agent.trainer.verl_backend import VerlBackend
+    from SPA_agent.trainer.verl_backend.backend import VerlBackend
 
     cfg = compose("_2_sokoban", ["model=tiny", "trainer.backend=verl", f"trainer.n_gpus_per_node={n_gpus}",
                                  "verl_backend.rollout_name=sglang"])

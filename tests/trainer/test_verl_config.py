@@ -8,8 +8,8 @@ from omegaconf import OmegaConf
 from verl.utils.config import omega_conf_to_dataclass
 
 from SPA_agent.model_presets import resolve_model_path
-from SPA_agent.trainer import verl_config as vc
 from SPA_agent.trainer.packing import PACKED_ATTENTION
+from SPA_agent.trainer.verl_backend import config as vc
 
 OVERRIDES = (
     "trainer.backend=verl", "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
@@ -107,7 +107,7 @@ def test_token_budgets_reach_every_verl_pass(configs):
 def test_critic_engine_follows_the_critic_micro_batching(dynamic):
     # verl's own trainer leaves the value model's engine at its default (token budgets) whatever the critic asks
     from SPA_agent.config import compose
-    from SPA_agent.trainer.verl_backend import _critic_worker_config
+    from SPA_agent.trainer.verl_backend.backend import _critic_worker_config
 
     cfg = compose("_2_sokoban", ["model=tiny", *OVERRIDES, f"use_dynamic_bsz={dynamic}", "micro_batch_size_per_gpu=2",
                                  "ppo_max_token_len_per_gpu=4096", "log_prob_max_token_len_per_gpu=8192"])
@@ -228,7 +228,7 @@ def test_attention_follows_flash_attn_and_packing(has_flash_attn, remove_padding
 def test_vllm_model_runner_reaches_every_ray_worker(model_runner, env):
     # the engines are subprocesses of verl's server actors and inherit the Ray job's environment
     from SPA_agent.config import compose
-    from SPA_agent.trainer import verl_backend
+    from SPA_agent.trainer.verl_backend import backend as verl_backend
 
     cfg = compose("_2_sokoban", ["model=tiny", *OVERRIDES, f"verl_backend.vllm_model_runner={model_runner}"])
     runtime = verl_backend.ray_runtime_env(vc.build_verl_config(cfg), True, True,
@@ -244,7 +244,7 @@ def test_vllm_model_runner_reaches_every_ray_worker(model_runner, env):
 def test_a_cluster_started_here_gets_the_backend_settings(override, env):
     # Ray reads RAY_worker_niceness when its cluster starts; null leaves Ray's own (15)
     from SPA_agent.config import compose
-    from SPA_agent.trainer import verl_backend
+    from SPA_agent.trainer.verl_backend import backend as verl_backend
 
     cfg = compose("_2_sokoban", ["model=tiny", *OVERRIDES, *override])
     assert verl_backend.local_cluster_env(cfg.verl_backend) == env
@@ -255,7 +255,7 @@ def test_a_cluster_started_here_gets_the_backend_settings(override, env):
                                                (["verl_backend.worker_cpu_threads=null"], None)])
 def test_worker_cpu_threads_are_in_every_ray_workers_environment_from_its_start(override, threads):
     from SPA_agent.config import compose
-    from SPA_agent.trainer import verl_backend
+    from SPA_agent.trainer.verl_backend import backend as verl_backend
 
     cfg = compose("_2_sokoban", ["model=tiny", *OVERRIDES, *override])
     vc.check_verl_config(cfg, vc.build_verl_config(cfg))
@@ -269,7 +269,7 @@ def test_worker_cpu_threads_are_in_every_ray_workers_environment_from_its_start(
 def test_driver_cpu_threads_set_torchs_threads_in_the_driver(override, threads):
     # one by default: the driver's thread per core slowed its CPU phases beside the workers (benchmarks/RESULTS.md)
     from SPA_agent.config import compose
-    from SPA_agent.trainer import verl_backend
+    from SPA_agent.trainer.verl_backend import backend as verl_backend
 
     cfg = compose("_2_sokoban", ["model=tiny", *OVERRIDES, *override])
     before = torch.get_num_threads()

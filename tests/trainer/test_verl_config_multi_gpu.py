@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from transformers import Qwen2Config
 
-from SPA_agent.trainer import verl_config as vc
+from SPA_agent.trainer.verl_backend import config as vc
 
 REPO = Path(__file__).resolve().parents[2]
 GIB = 1 << 30
@@ -148,7 +148,7 @@ def test_sticky_routing_spreads_the_groups_evenly_over_four_and_eight_engines():
     trajectories of a group share an engine (and its prefix cache), and the 32 groups of a step spread evenly."""
     from verl.workers.rollout.router import GlobalRequestLoadBalancer
 
-    from SPA_agent.trainer.verl_backend import conversation_key
+    from SPA_agent.trainer.verl_backend.backend import conversation_key
 
     class Prompt:
         def __init__(self, group: int):

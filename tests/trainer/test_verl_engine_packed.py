@@ -101,9 +101,10 @@ def _child(out: Path) -> None:
     from verl.workers.utils.losses import ppo_loss
 
     from SPA_agent.config import compose
-    from SPA_agent.trainer import packing, verl_patches
-    from SPA_agent.trainer import verl_layout as vl
-    from SPA_agent.trainer.verl_config import build_verl_config
+    from SPA_agent.trainer import packing
+    from SPA_agent.trainer.verl_backend import layout as vl
+    from SPA_agent.trainer.verl_backend import patches as verl_patches
+    from SPA_agent.trainer.verl_backend.config import build_verl_config
 
     verl_patches.apply()
     cfg = compose("_2_sokoban", ["model=tiny", "trainer.backend=verl"])

@@ -27,8 +27,8 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def backends(tiny_tokenizer, tiny_dir):
-    from SPA_agent.trainer.local_backend import LocalBackend
-    from SPA_agent.trainer.verl_backend import VerlBackend
+    from SPA_agent.trainer.local_backend.backend import LocalBackend
+    from SPA_agent.trainer.verl_backend.backend import VerlBackend
 
     cfg = compose("_2_sokoban", ["model=tiny", "generator=random", "trainer.backend=verl", "trainer.n_gpus_per_node=2",
                                  "trainer.device=cuda", "actor_rollout_ref.actor.ppo_mini_batch_size=4",

@@ -8,8 +8,8 @@ from verl import DataProto
 
 from SPA_agent.generators import build_generator
 from SPA_agent.rollout.agent_proxy import LLMAgentProxy
-from SPA_agent.trainer import local_models as lm
-from SPA_agent.trainer import verl_layout as vl
+from SPA_agent.trainer.local_backend import models as lm
+from SPA_agent.trainer.verl_backend import layout as vl
 
 
 @pytest.fixture(scope="module")

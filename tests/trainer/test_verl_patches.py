@@ -18,8 +18,10 @@ import torch
 from transformers import AutoConfig
 
 from SPA_agent.config import compose
-from SPA_agent.trainer import verl_backend, verl_config, verl_patches
 from SPA_agent.trainer.packing import PACKED_ATTENTION
+from SPA_agent.trainer.verl_backend import backend as verl_backend
+from SPA_agent.trainer.verl_backend import config as verl_config
+from SPA_agent.trainer.verl_backend import patches as verl_patches
 
 
 @pytest.fixture
@@ -163,7 +165,8 @@ WORKER_THREADS = """
 import json, os, sys
 import ray, torch
 from SPA_agent.config import compose
-from SPA_agent.trainer import verl_backend, verl_config
+from SPA_agent.trainer.verl_backend import backend as verl_backend
+from SPA_agent.trainer.verl_backend import config as verl_config
 
 def runtime_env(setting):
     cfg = compose("_2_sokoban", ["model=tiny", "trainer.backend=verl", f"verl_backend.worker_cpu_threads={setting}"])

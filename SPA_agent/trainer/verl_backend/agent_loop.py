@@ -2,13 +2,13 @@
 
 Our driver does not need it: with trainer.backend=verl the LLMAgentProxy keeps the loop and only generation runs
 on verl's servers. This loop runs SPA's environments under verl's AgentLoopManager (e.g. its fully asynchronous
-trainer), each trajectory its own asyncio task, built from `verl_episode.Episode` (the proxy's own managers).
+trainer), each trajectory its own asyncio task, built from `episode.Episode` (the proxy's own managers).
 
 Use: put our composed config under the key `spa` of verl's config; dataset rows (non-tensor fields) give `tag`
 (an env tag of custom_envs), `seed` and `agent_name: spa_env_agent`; point
 `actor_rollout_ref.rollout.agent.agent_loop_config_path` at a yaml with
     - name: spa_env_agent
-      _target_: SPA_agent.trainer.verl_agent_loop.SPAEnvAgentLoop
+      _target_: SPA_agent.trainer.verl_backend.agent_loop.SPAEnvAgentLoop
 Needs verl's agent-loop dependencies (cachetools, uvicorn, fastapi, ...: installed with vllm).
 """
 
@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
 
 from SPA_agent.generators.base import stop_token_ids
-from SPA_agent.trainer.verl_episode import Episode
+from SPA_agent.trainer.verl_backend.episode import Episode
 
 AGENT_NAME = "spa_env_agent"
 

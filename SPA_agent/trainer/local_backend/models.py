@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from verl import DataProto
 from verl.utils import torch_functional as verl_F
 
-from SPA_agent.trainer import lora
+from SPA_agent.trainer.local_backend import lora
 from SPA_agent.trainer.packing import SEGMENTS_KWARG, PackedRows
 
 #: the critic's value head: AutoModelForTokenClassification's `score` layer (one output per token)

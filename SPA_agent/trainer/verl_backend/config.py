@@ -99,7 +99,7 @@ def attention_settings(has_flash_attn: bool, remove_padding: str | bool = "auto"
     helpers fall back to plain torch without flash-attn (`verl.utils.attention_utils`). The attention reads the
     sequence boundaries from the position ids: flash-attn's variable-length kernel where flash-attn is installed,
     else `packing.PACKED_ATTENTION` (one causal SDPA call per sequence, registered in every worker by
-    `verl_patches`). transformers' own sdpa would build a dense (L, L) block-diagonal mask and attend over all of
+    `patches.py`). transformers' own sdpa would build a dense (L, L) block-diagonal mask and attend over all of
     it. Padded micro-batches use flash_attention_2 or sdpa.
     """
     if remove_padding not in ("auto", True, False):

@@ -1,4 +1,4 @@
-"""One SPA environment episode for a per-trajectory agent loop (pure parts of `verl_agent_loop`; no verl, no Ray).
+"""One SPA environment episode for a per-trajectory agent loop (pure parts of `agent_loop`; no verl, no Ray).
 
 An `Episode` holds one env in an EnvStateManager and a ContextManager, the same code the LLMAgentProxy runs, so
 prompts, parsing, masks and scores are identical. Its output is verl's AgentLoopOutput layout: `prompt_ids` = the

@@ -25,9 +25,9 @@ from verl.workers.config import ActorConfig
 
 from SPA_agent.model_presets import resolve_model_path
 from SPA_agent.runs.lora import add_lora
-from SPA_agent.trainer import local_models as lm
-from SPA_agent.trainer import lora
 from SPA_agent.trainer.algos import needs_critic
+from SPA_agent.trainer.local_backend import lora
+from SPA_agent.trainer.local_backend import models as lm
 from SPA_agent.trainer.packing import avoid_cudnn_attention, enable_packed_attention, micro_batch_plan
 
 OPTIMIZER_FILE = "optimizer.pt"

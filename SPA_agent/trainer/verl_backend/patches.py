@@ -1,16 +1,16 @@
-"""Fixes to verl 0.9.1, applied in every Ray worker process (Ray's `worker_process_setup_hook`, see verl_backend).
+"""Fixes to verl 0.9.1, applied in every Ray worker process (Ray's `worker_process_setup_hook`, see backend.py).
 
 1. verl loads the critic's value model with `attn_implementation="flash_attention_2"` hard-coded
    (`verl.utils.model.load_valuehead_model`), so the critic cannot start where flash-attn is not installed,
    although the actor honours `model.override_config.attn_implementation`. The value model now loads with the
-   attention implementation of its config (sdpa without flash-attn, see `verl_config._derived`).
+   attention implementation of its config (sdpa without flash-attn, see `config._derived`).
 2. Without flash-attn's cross-entropy kernel, verl's `logprobs_from_logits` falls back to `logprobs_from_logits_v2`,
    which loops over the leading dimension to save memory. Its FSDP engine passes (tokens, vocab) logits, so that
    is one logsumexp (or log-softmax) per token, forward and backward: on two H100s the actor's log-prob passes and
    update took 5-9x the local backend's time (benchmarks/RESULTS.md, issue 28). `logprobs_from_logits` below does
    the same sum in chunks of rows.
 3. Packed micro-batches (`use_remove_padding`) without flash-attn name `packing.PACKED_ATTENTION` as their
-   attention (`verl_config.attention_settings`), registered here; and SDPA leaves out cuDNN, which plans anew for
+   attention (`config.attention_settings`), registered here; and SDPA leaves out cuDNN, which plans anew for
    every sequence length (`packing.avoid_cudnn_attention`, as the local backend does).
 4. With trainer.gc_freeze (the driver sets `gc_heap.WORKER_GC_FREEZE_ENV` for the Ray job), each worker freezes its
    start-up objects once a model is built (`freeze_after_model_builds`): full garbage collections of a worker took

@@ -11,7 +11,7 @@ i.e. `core_algos`).
 
 The engine's memory is handed back and forth as verl's trainer does: the first `generate` after training syncs
 the FSDP actor's weights into the engine and wakes it (`CheckpointEngineManager.update_weights`); the first
-training call after generating puts the engine to sleep. Batches move between the layouts with `verl_layout`.
+training call after generating puts the engine to sleep. Batches move between the layouts with `layout.py`.
 """
 
 from __future__ import annotations
@@ -29,10 +29,15 @@ from verl import DataProto
 from verl.utils import tensordict_utils as tu
 
 from SPA_agent.generators.base import FINISH_LENGTH, FINISH_STOP, Generation, Prompt
-from SPA_agent.trainer import verl_layout as vl
 from SPA_agent.trainer.gc_heap import WORKER_GC_FREEZE_ENV
 from SPA_agent.trainer.metrics import PhaseTimer
-from SPA_agent.trainer.verl_config import INSTALL_HINT, build_verl_config, check_verl_config, model_runner_env
+from SPA_agent.trainer.verl_backend import layout as vl
+from SPA_agent.trainer.verl_backend.config import (
+    INSTALL_HINT,
+    build_verl_config,
+    check_verl_config,
+    model_runner_env,
+)
 
 #: metric names of verl's workers → ours (as the local backend logs them)
 METRIC_NAMES = {"actor/entropy_loss": "actor/entropy", "actor/mfu": "perf/mfu/actor", "critic/mfu": "perf/mfu/critic"}
@@ -57,7 +62,7 @@ def check_runtime(cfg: DictConfig) -> None:
 
 
 #: run in every Ray worker process before it imports verl's workers (Ray's `worker_process_setup_hook`)
-WORKER_SETUP_HOOK = "SPA_agent.trainer.verl_patches.apply"
+WORKER_SETUP_HOOK = "SPA_agent.trainer.verl_backend.patches.apply"
 
 
 #: with it set, Ray does not restrict each worker's CUDA_VISIBLE_DEVICES (verl_backend.all_gpus_visible)
@@ -70,7 +75,7 @@ CPU_THREADS_ENV = "OMP_NUM_THREADS"
 
 def ray_runtime_env(verl_cfg: DictConfig, all_gpus_visible: bool, gc_freeze: bool, *, model_runner: str,
                     cpu_threads: int | None) -> dict:
-    """verl's PPO runtime environment for the Ray job, plus our worker setup hook (verl_patches); with
+    """verl's PPO runtime environment for the Ray job, plus our worker setup hook (patches.py); with
     `all_gpus_visible`, every GPU visible to every worker (each selects its own by Ray's id); with `gc_freeze`
     (trainer.gc_freeze), workers that freeze their start-up objects once their models are built (`gc_heap`);
     `model_runner` (verl_backend.vllm_model_runner) picks the rollout engines' model runner (`model_runner_env`);
