@@ -43,7 +43,7 @@ from SPA_agent.rollout.turns import rendered_states, turns
 from SPA_agent.runs import atomic_io
 from SPA_agent.runs.dir_lock import DirLock, check_unlocked, check_writable
 from SPA_agent.runs.progress import quiet_library_progress
-from SPA_agent.worldmodel import worldmodel_accuracy
+from SPA_agent.selfplay.worldmodel import worldmodel_accuracy
 
 EXIT_INCOMPLETE = 1
 ENV_METRICS = ("num_actions", "action_is_valid", "action_is_effective")

@@ -49,7 +49,7 @@ from SPA_agent.selfplay.data_card import (
     trajectory_stats,
 )
 from SPA_agent.selfplay.data_variants import STATE_TARGETS, state_targets
-from SPA_agent.worldmodel import has_worldmodel_format, substitute_states
+from SPA_agent.selfplay.worldmodel import has_worldmodel_format, substitute_states
 
 DATA_FILES = ("wm_train.parquet", "wm_val.parquet")
 # Unfinished runs keep batch shards in PARTIAL_DIR; the new dataset is staged in PARTIAL_DIR/final.
