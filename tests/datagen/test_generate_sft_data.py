@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from SPA_agent.config import compose
 from SPA_agent.envs import make_env
-from SPA_agent.generate_sft_data import (
+from SPA_agent.selfplay.generate import (
     CARD_FILE,
     DATA_FILES,
     PARTIAL_DIR,

@@ -9,7 +9,7 @@ from entry_calls import must_not_run, run_entry
 from SPA_agent.config import compose
 from SPA_agent.entry import EXIT_INTERRUPTED, EXIT_USAGE
 from SPA_agent.evaluate import default_ks, prepare_eval_config
-from SPA_agent.generate_sft_data import prepare_data_gen_config
+from SPA_agent.selfplay.generate import prepare_data_gen_config
 from SPA_agent.trainer.config_checks import check_config
 
 

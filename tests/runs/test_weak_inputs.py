@@ -55,7 +55,7 @@ def sft_overrides(data: Path, out: Path, *extra: str) -> list[str]:
 def test_sft_trains_without_validation_on_data_made_with_val_fraction_0(tmp_path, capsys):
     from sft.in_process import compose as sft_compose
     from sft.in_process import run
-    from SPA_agent.generate_sft_data import generate, prepare_data_gen_config
+    from SPA_agent.selfplay.generate import generate, prepare_data_gen_config
 
     data = tmp_path / "data"
     generate(prepare_data_gen_config(compose("_2_sokoban", [
