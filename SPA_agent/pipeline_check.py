@@ -61,7 +61,7 @@ def check_ppo(config_name: str, overrides: Sequence[str]) -> None:
 
 
 def check_evaluation(config_name: str, overrides: Sequence[str]) -> None:
-    from SPA_agent.evaluate import prepare_eval_config
+    from SPA_agent.evaluation.evaluate import prepare_eval_config
 
     prepare_eval_config(_compose(CONFIG_DIR, config_name, overrides), config_name)
 

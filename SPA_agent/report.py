@@ -29,7 +29,7 @@ from SPA_agent.evaluation.paper_results import (
     TAG_TO_ENV,
     paper_numbers,
 )
-from SPA_agent.plots import read_metrics_jsonl
+from SPA_agent.evaluation.plots import read_metrics_jsonl
 from SPA_agent.runs import atomic_io
 
 HEADER = ("| run | env | source | Pass@1 | any-of-n (Pass@n) | unbiased pass@k [95% CI] | puzzles × samples "

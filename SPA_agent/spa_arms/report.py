@@ -11,7 +11,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from SPA_agent.evaluation.learning_curves import SUCCESS_KEY, CurvePoint, intervals_overlap, load_curve
-from SPA_agent.plots import plot_arms
+from SPA_agent.evaluation.plots import plot_arms
 from SPA_agent.runs import atomic_io
 from SPA_agent.runs.metrics_file import read_records
 from SPA_agent.runs.run_identity import git_commit
