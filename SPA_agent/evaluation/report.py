@@ -1,6 +1,9 @@
-"""Markdown table of our results, one row per run and env tag, beside the paper's reference numbers.
+"""Reports of our runs, in markdown: the one reporting module.
 
-    python -m SPA_agent.report evals/_2_sokoban-tiny checkpoints/_2_sokoban/sokoban-main [--out report.md]
+- `build_report`: one row per run and env tag, beside the paper's reference numbers (the command line is
+  `python -m SPA_agent.report`, SPA_agent/report.py).
+- `write_arms_report`: PPO runs side by side (issue 13's arms, `python -m SPA_agent.spa_arms report`): validation
+  success with 95% intervals per step, world-model accuracy after SFT and after PPO, actor entropy.
 
 A run directory is an evaluation (eval.json, from `SPA_agent.evaluate`) or a PPO run (metrics.jsonl with
 `val-env/<Tag>/success` and `val-env/<Tag>/pass@<G>`; its final and best validation steps are reported).
@@ -11,16 +14,16 @@ and env where the paper reports them.
 
 from __future__ import annotations
 
-import argparse
 import json
+import os
 import re
-import sys
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from SPA_agent.evaluation.learning_curves import Curve, CurvePoint, intervals_overlap, load_curve
 from SPA_agent.evaluation.paper_results import (
     ENVS,
     MAIN_RESULTS,
@@ -29,8 +32,9 @@ from SPA_agent.evaluation.paper_results import (
     TAG_TO_ENV,
     paper_numbers,
 )
-from SPA_agent.evaluation.plots import read_metrics_jsonl
+from SPA_agent.evaluation.plots import plot_arms, read_metrics_jsonl
 from SPA_agent.runs import atomic_io
+from SPA_agent.runs.run_identity import git_commit
 
 HEADER = ("| run | env | source | Pass@1 | any-of-n (Pass@n) | unbiased pass@k [95% CI] | puzzles × samples "
           "| status | experiment | paper row: the paper's numbers |\n|---|---|---|---|---|---|---|---|---|---|")
@@ -148,29 +152,106 @@ def build_report(runs: list[Path], paper_models: list[str] | None = None) -> str
     ])
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Markdown table of our runs beside the paper's numbers.")
-    parser.add_argument("runs", nargs="+", type=Path, help="evaluation or PPO run directories")
-    parser.add_argument("--paper-model", action="append", default=None,
-                        help=f"paper model rows to show (repeatable; default Qwen2.5-1.5B-Instruct). "
-                             f"One of: {', '.join(MAIN_RESULTS)}; model_size aliases: {MODEL_SIZE_TO_PAPER}")
-    parser.add_argument("--out", type=Path, default=None, help="also write the report to this file")
-    args = parser.parse_args(argv)
-    try:
-        models = [MODEL_SIZE_TO_PAPER.get(m, m) for m in args.paper_model] if args.paper_model else None
-        report = build_report(args.runs, models)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    if args.out:
-        try:
-            atomic_io.write_text(args.out, report)
-        except OSError as err:
-            print(f"error: cannot write {args.out}: {err.strerror or err}; choose a writable --out", file=sys.stderr)
-            return 2
-    print(report)
-    return 0
+# --- PPO runs side by side ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Arm:
+    """One run of a side-by-side report: its label, its PPO run directory and the add_worldmodel evaluations
+    (eval.json contents, None where absent) of the checkpoint it started from (`sft`) and of its last actor (`ppo`)."""
+
+    label: str
+    ppo_dir: Path
+    worldmodel_evals: Mapping[str, Mapping | None]
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def _fmt(value: float | None, digits: int = 3) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def _point(p: CurvePoint | None) -> str:
+    return "–" if p is None else f"{p.success:.3f} [{p.low:.3f}, {p.high:.3f}]"
+
+
+def worldmodel_exact(result: Mapping | None) -> dict[str, float | int | None]:
+    """Format rate (turns with state blocks) and, over those turns, observation and prediction exact match of an
+    add_worldmodel evaluation (its single env tag), and the training step of the checkpoint evaluated; None where
+    absent."""
+    metrics = next(iter(result["metrics"].values())) if result else {}
+    step = re.search(r"global_step_(\d+)", result["model_path"]) if result else None
+    return {**{name: metrics.get(f"worldmodel/{key}") for name, key in (
+        ("format", "format_rate"), ("observation", "observation_exact"), ("prediction", "prediction_exact"))},
+            "step": int(step.group(1)) if step else None}
+
+
+def worldmodel_cell(wm: Mapping[str, float | int | None], with_step: bool = False) -> str:
+    """A `worldmodel_exact` result in one table cell."""
+    if wm["format"] is None:
+        return "–"
+    at = f", step {wm['step']}" if with_step and wm["step"] is not None else ""
+    return f"obs {_fmt(wm['observation'])} / pred {_fmt(wm['prediction'])} (format {_fmt(wm['format'])}{at})"
+
+
+def _device() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def _commit() -> str:
+    """The checkout's commit; SPA_AGENT_COMMIT names it where the code was copied without its git history."""
+    commit = git_commit()
+    return commit[:7] if commit else os.environ.get("SPA_AGENT_COMMIT", "unknown")
+
+
+def arm_curves(arms: Mapping[str, Arm]) -> dict[str, Curve]:
+    """The learning curves of the arms whose PPO run has logged (metrics.jsonl and config.yaml), by arm name."""
+    return {name: load_curve(arm.ppo_dir) for name, arm in arms.items()
+            if (arm.ppo_dir / "metrics.jsonl").is_file() and (arm.ppo_dir / "config.yaml").is_file()}
+
+
+def _arm_row(arm: Arm, curve: Curve | None) -> tuple[str, dict]:
+    """The summary table's row of one arm and its report.json entry."""
+    points = {p.step: p for p in curve.points} if curve else {}
+    init, final = points.get(0), points[max(points)] if points else None
+    wm = {which: worldmodel_exact(arm.worldmodel_evals.get(which)) for which in ("sft", "ppo")}
+    entropy = curve.entropy if curve else []
+    change = None if init is None or final is None or final.step == 0 else 100 * (final.success - init.success)
+    overlap = "–" if change is None else ("yes" if intervals_overlap(init, final) else "no")
+    row = (f"| {arm.label} | {_point(init)} | {_point(final)} (step {final.step if final else '–'}) | "
+           f"{_fmt(change, 1)} | {overlap} | {worldmodel_cell(wm['sft'])} | {worldmodel_cell(wm['ppo'], with_step=True)} | "
+           f"{_fmt(entropy[0][1] if entropy else None)} → {_fmt(entropy[-1][1] if entropy else None)} |")
+    data = {"label": arm.label, "episodes": curve.episodes if curve else None,
+            "validation": [asdict(p) for p in curve.points] if curve else [], "entropy": entropy, "worldmodel": wm}
+    return row, data
+
+
+def write_arms_report(out: Path, arms: Mapping[str, Arm], curves: Mapping[str, Curve], title: str, setup: str,
+                      settings: Mapping) -> Path:
+    """out/{report.md, report.json, arms.png}: the arms side by side from what their runs have logged so far
+    (`curves`, from `arm_curves`). `title` heads report.md; `setup` ends its line on device, commit and
+    validation episodes; `settings` are written into both files."""
+    summary, data = [], {}
+    for name, arm in arms.items():
+        summary_row, data[name] = _arm_row(arm, curves.get(name))
+        summary.append(summary_row)
+    steps = sorted({p.step for c in curves.values() for p in c.points})
+    per_step = [f"| {step} | " + " | ".join(_point(next((p for p in curves[a].points if p.step == step), None))
+                                           if a in curves else "–" for a in arms) + " |" for step in steps]
+    episodes = sorted({c.episodes for c in curves.values()})
+    device, commit = _device(), _commit()
+    lines = [
+        f"# {title}", "",
+        f"Device: {device}; commit {commit}; validation: {'/'.join(map(str, episodes))} episodes per point {setup}", "",
+        "| arm | SFT init success (step 0) | final success | change (points) | intervals overlap | "
+        "world model after SFT | world model after PPO | actor entropy (first → last step) |",
+        "|---|---|---|---|---|---|---|---|", *summary, "",
+        "World model: exact match of `<observation>` and `<prediction>` with the true states, over the turns that "
+        "wrote them; format = fraction of turns that did; after PPO: the last saved actor, at the step named.", "",
+        "Validation success [95% interval] per PPO step:", "",
+        "| step | " + " | ".join(arms) + " |", "|---" * (len(arms) + 1) + "|", *per_step, "",
+        f"Settings: `{json.dumps(settings)}`", ""]
+    out.mkdir(parents=True, exist_ok=True)
+    plot_arms({name: curves[name] for name in arms if name in curves}, out / "arms.png")
+    atomic_io.write_json(out / "report.json", {"device": device, "commit": commit, "settings": settings,
+                                               "arms": data})
+    atomic_io.write_text(out / "report.md", "\n".join(lines))
+    return out / "report.md"
