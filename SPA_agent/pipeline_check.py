@@ -42,7 +42,7 @@ def _compose(config_dir: Path, config_name: str, overrides: Sequence[str]) -> Di
 
 
 def check_data(config_name: str, overrides: Sequence[str]) -> None:
-    from SPA_agent.generate_sft_data import prepare_data_gen_config
+    from SPA_agent.selfplay.generate import prepare_data_gen_config
 
     prepare_data_gen_config(_compose(CONFIG_DIR, config_name, overrides), config_name)
 
@@ -61,7 +61,7 @@ def check_ppo(config_name: str, overrides: Sequence[str]) -> None:
 
 
 def check_evaluation(config_name: str, overrides: Sequence[str]) -> None:
-    from SPA_agent.evaluate import prepare_eval_config
+    from SPA_agent.evaluation.evaluate import prepare_eval_config
 
     prepare_eval_config(_compose(CONFIG_DIR, config_name, overrides), config_name)
 

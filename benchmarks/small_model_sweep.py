@@ -20,8 +20,8 @@ import torch
 
 from sft import in_process as sft
 from SPA_agent.config import compose
-from SPA_agent.generate_sft_data import generate, prepare_data_gen_config
 from SPA_agent.runs.metrics_logger import read_metrics
+from SPA_agent.selfplay.generate import generate, prepare_data_gen_config
 from SPA_agent.trainer.main_ppo import run
 
 MODEL = "small"

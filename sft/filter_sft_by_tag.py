@@ -3,7 +3,7 @@ Sudoku data).
 
 A row is kept when its `response` has a `<think>…</think>` block that starts before the first `<answer>…</answer>`
 block, and the think body holds an `<observation>…</observation>` block followed (later) by a
-`<prediction>…</prediction>` block (tags case-insensitive; `SPA_agent.worldmodel.has_worldmodel_format`). Optional length bounds apply to the response in
+`<prediction>…</prediction>` block (tags case-insensitive; `SPA_agent.selfplay.worldmodel.has_worldmodel_format`). Optional length bounds apply to the response in
 characters. Duplicate (prompt, response) pairs are dropped unless `--no-dedup`; prompts may be arrays of chat
 messages, so the key is a hash of their canonical JSON. Every column and the schema of the input are kept.
 
@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 from SPA_agent.runs import atomic_io
 from SPA_agent.runs.dir_lock import DirLock
 from SPA_agent.selfplay.data_card import CARD_FILE, describe_files
-from SPA_agent.worldmodel import has_worldmodel_format
+from SPA_agent.selfplay.worldmodel import has_worldmodel_format
 
 SPLITS = ("wm_train", "wm_val")
 

@@ -18,9 +18,9 @@ from turn_spans import turn_spans
 from SPA_agent import experiments
 from SPA_agent.config import ENTRY_CONFIGS, compose
 from SPA_agent.evaluation.paper_results import PAPER_ROWS
-from SPA_agent.generate_sft_data import generate, prepare_data_gen_config
+from SPA_agent.selfplay.generate import generate, prepare_data_gen_config
+from SPA_agent.selfplay.worldmodel import extract_states
 from SPA_agent.trainer.config_checks import check_config
-from SPA_agent.worldmodel import extract_states
 
 #: the experiments issue 15 asks for
 REQUIRED = {

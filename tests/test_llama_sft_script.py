@@ -16,7 +16,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from SPA_agent.config import compose
-from SPA_agent.generate_sft_data import generate, prepare_data_gen_config
+from SPA_agent.selfplay.generate import generate, prepare_data_gen_config
 
 REPO = Path(__file__).resolve().parents[1]
 LLAMA_ID = "meta-llama/Llama-3.2-1B-Instruct"

@@ -17,7 +17,7 @@ from SPA_agent.generators import ACTION_SOURCES
 from SPA_agent.rollout.turns import transitions
 from SPA_agent.runs.dir_lock import check_unlocked
 from SPA_agent.runs.run_identity import file_checksum
-from SPA_agent.worldmodel import ACCURACY_KEYS, extract_states, has_worldmodel_format, turn_accuracy
+from SPA_agent.selfplay.worldmodel import ACCURACY_KEYS, extract_states, has_worldmodel_format, turn_accuracy
 
 CARD_FILE = "data_card.json"  # written last: its presence marks a complete dataset
 PARTIAL_DIR = ".partial"  # batch shards of an unfinished generation

@@ -19,7 +19,7 @@ import re
 import numpy as np
 
 from SPA_agent.rollout.parsing import BASE_FORMAT, WORLDMODEL_FORMAT, find_worldmodel_blocks, strip_tags
-from SPA_agent.worldmodel import OBSERVATION_TAGS, PREDICTION_TAGS, SUDOKU_ROW_MARK, block_contents
+from SPA_agent.selfplay.worldmodel import OBSERVATION_TAGS, PREDICTION_TAGS, SUDOKU_ROW_MARK, block_contents
 
 STATE_TARGETS = ("ground_truth", "self_belief", "random_coordinates")
 COORDINATE_PAIR_RE = re.compile(r"\((\d+),(\d+)\)")

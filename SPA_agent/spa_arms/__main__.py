@@ -48,8 +48,8 @@ from pathlib import Path
 from SPA_agent.pipeline_check import check_commands
 from SPA_agent.runs import atomic_io
 from SPA_agent.spa_arms.experiment import Experiment
-from SPA_agent.spa_arms.report import status_lines, write_report
 from SPA_agent.spa_arms.settings import ARMS, HELP, Settings, StageError, check_settings, load_settings
+from SPA_agent.spa_arms.status import status_lines, write_report
 
 #: command-line flags that are not the field name with dashes (`from` is a Python keyword)
 FLAGS = {"from_dir": "--from"}

@@ -12,9 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from SPA_agent.config import compose
-from SPA_agent.generate_sft_data import DATA_FILES, format_filtered, generate, prepare_data_gen_config
 from SPA_agent.selfplay.data_variants import randomize_coordinates, strip_worldmodel, without_worldmodel_row
-from SPA_agent.worldmodel import extract_states, parse_state
+from SPA_agent.selfplay.generate import DATA_FILES, format_filtered, generate, prepare_data_gen_config
+from SPA_agent.selfplay.worldmodel import extract_states, parse_state
 
 SMALL = ("es_manager.train.env_groups=2", "es_manager.train.group_size=2", "es_manager.train.env_configs.n_groups=[2]",
          "agent_proxy.max_turn=2")

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from sft.filter_sft_by_tag import filter_dir, filter_table, main
-from SPA_agent.worldmodel import has_worldmodel_format
+from SPA_agent.selfplay.worldmodel import has_worldmodel_format
 
 GOOD = "<think> <observation>S0</observation> push <prediction>S1</prediction></think><answer>Up</answer>"
 

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from SPA_agent.config import compose
 from SPA_agent.envs import make_env
-from SPA_agent.generate_sft_data import (
+from SPA_agent.selfplay.generate import (
     CARD_FILE,
     DATA_FILES,
     PARTIAL_DIR,
@@ -24,7 +24,7 @@ from SPA_agent.generate_sft_data import (
     split_rows,
     substitute_trajectory,
 )
-from SPA_agent.worldmodel import extract_states
+from SPA_agent.selfplay.worldmodel import extract_states
 
 ENV_CONFIGS = {"_2_sokoban": "sokoban", "_3_frozen_lake": "frozen_lake", "_10_sudoku": "sudoku"}
 #: data.max_length of stage 2 for the tiny and small presets (sft/finetune_ft.sh, from SPA_agent/model_presets.py)

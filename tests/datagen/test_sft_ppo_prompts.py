@@ -20,9 +20,9 @@ from smollm2_template import SMOLLM2_TEMPLATE
 from test_generate_sft_data import data_gen_config
 
 from sft.loss_targets import LossTarget, build_text, end_of_turn_token
-from SPA_agent.generate_sft_data import rollout_records
 from SPA_agent.generators import build_generator
 from SPA_agent.rollout.agent_proxy import LLMAgentProxy
+from SPA_agent.selfplay.generate import rollout_records
 
 STATE_BLOCK = re.compile(r"<(observation|prediction)>.*?</\1>", re.DOTALL)
 

@@ -13,9 +13,9 @@ from omegaconf import OmegaConf
 
 from SPA_agent.config import compose
 from SPA_agent.envs import make_env
-from SPA_agent.generate_sft_data import DATA_FILES, SFT_SCHEMA, generate, prepare_data_gen_config
 from SPA_agent.generators.solver import plan_actions
-from SPA_agent.worldmodel import extract_states
+from SPA_agent.selfplay.generate import DATA_FILES, SFT_SCHEMA, generate, prepare_data_gen_config
+from SPA_agent.selfplay.worldmodel import extract_states
 
 
 def solver_config(out_dir, *overrides, num_batches=2):

@@ -10,11 +10,11 @@ import sys
 import pytest
 
 from SPA_agent.config import compose
-from SPA_agent.evaluate import evaluate, model_name, prepare_eval_config
+from SPA_agent.evaluation.evaluate import evaluate, model_name, prepare_eval_config
+from SPA_agent.evaluation.plots import plot_training
+from SPA_agent.evaluation.report import build_report
 from SPA_agent.generators import build_generator
 from SPA_agent.generators.base import FINISH_ERROR, Generation
-from SPA_agent.plots import plot_training
-from SPA_agent.report import build_report
 from SPA_agent.report import main as report_main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

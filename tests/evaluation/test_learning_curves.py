@@ -12,7 +12,7 @@ from SPA_agent.evaluation.learning_curves import (
     intervals_overlap,
     load_curve,
 )
-from SPA_agent.plots import plot_arms
+from SPA_agent.evaluation.plots import plot_arms
 
 
 def test_interval_is_degenerate_at_zero_and_one_and_near_the_normal_one_in_between():

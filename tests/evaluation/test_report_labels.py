@@ -8,8 +8,8 @@ import json
 import pytest
 from omegaconf import OmegaConf
 
+from SPA_agent.evaluation.report import build_report
 from SPA_agent.experiments import EXPERIMENT_DIR
-from SPA_agent.report import build_report
 
 
 def _eval_dir(root, name: str, experiment: str | None, model_size: str, tag: str):

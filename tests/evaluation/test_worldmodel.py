@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from SPA_agent.rollout.turns import Observation, Turn, as_entry
-from SPA_agent.worldmodel import (
+from SPA_agent.selfplay.worldmodel import (
     extract_states,
     parse_state,
     state_accuracy,

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from SPA_agent.worldmodel import Substitution, extract_states, substitute_states
+from SPA_agent.selfplay.worldmodel import Substitution, extract_states, substitute_states
 
 # The former implementation (oracle), run on short texts only.
 OBSERVATION_RE = re.compile(r"<observation>(.*?)</observation>", re.DOTALL)

@@ -10,7 +10,7 @@ import pytest
 from SPA_agent.config import compose
 from SPA_agent.envs import REGISTRY
 from SPA_agent.rollout.ctx_manager import ContextManager
-from SPA_agent.worldmodel import extract_states, parse_state
+from SPA_agent.selfplay.worldmodel import extract_states, parse_state
 
 COORDINATE_PAIR = re.compile(r"\(\d+,\d+\)")
 #: env tags the experiments play (train or evaluation)

@@ -8,8 +8,8 @@ from entry_calls import must_not_run, run_entry
 
 from SPA_agent.config import compose
 from SPA_agent.entry import EXIT_INTERRUPTED, EXIT_USAGE
-from SPA_agent.evaluate import default_ks, prepare_eval_config
-from SPA_agent.generate_sft_data import prepare_data_gen_config
+from SPA_agent.evaluation.evaluate import default_ks, prepare_eval_config
+from SPA_agent.selfplay.generate import prepare_data_gen_config
 from SPA_agent.trainer.config_checks import check_config
 
 
@@ -103,7 +103,7 @@ def test_ctrl_c_in_ppo_is_one_line_and_status_130(monkeypatch, capsys, tmp_path)
 
 
 def test_redirected_evaluation_prints_a_line_per_turn(tmp_path, capsys):
-    from SPA_agent.evaluate import evaluate
+    from SPA_agent.evaluation.evaluate import evaluate
 
     cfg = prepare_eval_config(compose("_2_sokoban", [
         "model=tiny", "generator=random", "evaluation.num_puzzles=2", "agent_proxy.max_turn=2",

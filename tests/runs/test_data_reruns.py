@@ -10,10 +10,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from SPA_agent.config import compose
-from SPA_agent.generate_sft_data import DATA_FILES, generate, prepare_data_gen_config
 from SPA_agent.runs.dir_lock import LOCK_FILE, DirectoryLockedError, UnwritableDirectoryError
 from SPA_agent.runs.run_identity import IDENTITY_FILE, RunMismatchError
 from SPA_agent.selfplay.data_card import CARD_FILE, PARTIAL_DIR, check_dataset_complete
+from SPA_agent.selfplay.generate import DATA_FILES, generate, prepare_data_gen_config
 
 SMALL = ["model=tiny", "generator=random", "agent_proxy.max_turn=2", "actor_rollout_ref.rollout.response_length=8",
          "es_manager.train.env_groups=2", "es_manager.train.group_size=2", "es_manager.train.env_configs.n_groups=[2]"]

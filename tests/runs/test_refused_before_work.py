@@ -17,8 +17,8 @@ from sft.in_process import compose as compose_sft
 from sft.spa_sft_trainer import SftTrainer
 from SPA_agent.config import compose
 from SPA_agent.entry import EXIT_USAGE
-from SPA_agent.generate_sft_data import generate, prepare_data_gen_config
 from SPA_agent.selfplay.data_card import CARD_FILE
+from SPA_agent.selfplay.generate import generate, prepare_data_gen_config
 
 REPO = Path(__file__).resolve().parents[2]
 #: a tiny dataset: one batch of 2 × 2 trajectories of 2 turns, every row kept

@@ -15,9 +15,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from SPA_agent.evaluation.report import worldmodel_cell as _worldmodel_cell
+from SPA_agent.evaluation.report import worldmodel_exact
 from SPA_agent.spa_arms.experiment import Experiment, Job, run_jobs
-from SPA_agent.spa_arms.report import _worldmodel_cell, job_state, worldmodel_exact
 from SPA_agent.spa_arms.settings import Settings, StageError
+from SPA_agent.spa_arms.status import job_state
 
 ARMS = ("spa", "nowm", "released")
 TINY = [

@@ -10,7 +10,7 @@ import pytest
 
 from sft.filter_sft_by_tag import main as filter_main
 from SPA_agent.config import compose
-from SPA_agent.evaluate import evaluate, prepare_eval_config
+from SPA_agent.evaluation.evaluate import evaluate, prepare_eval_config
 from SPA_agent.generators.api import APIGenerator
 from SPA_agent.report import main as report_main
 from SPA_agent.runs.dir_lock import UnwritableDirectoryError

@@ -55,7 +55,7 @@ def sft_overrides(data: Path, out: Path, *extra: str) -> list[str]:
 def test_sft_trains_without_validation_on_data_made_with_val_fraction_0(tmp_path, capsys):
     from sft.in_process import compose as sft_compose
     from sft.in_process import run
-    from SPA_agent.generate_sft_data import generate, prepare_data_gen_config
+    from SPA_agent.selfplay.generate import generate, prepare_data_gen_config
 
     data = tmp_path / "data"
     generate(prepare_data_gen_config(compose("_2_sokoban", [
@@ -272,7 +272,7 @@ def test_evaluation_refuses_to_replace_another_models_evaluation(monkeypatch, ca
     small = [*TINY, "generator=random", "evaluation.num_puzzles=1", "evaluation.n=1", "agent_proxy.max_turn=1",
              "actor_rollout_ref.rollout.response_length=8", "evaluation.write_plots=false",
              f"evaluation.output_dir={out}"]
-    monkeypatch.setattr(evaluate, "load_tokenizer", must_not_run)
+    monkeypatch.setattr("SPA_agent.evaluation.evaluate.load_tokenizer", must_not_run)
     assert run_entry(monkeypatch, evaluate, small) == EXIT_USAGE
     assert capsys.readouterr().err == (
         f"error: {out} holds the evaluation of another model (other-global_step_5: /models/other/global_step_5); "

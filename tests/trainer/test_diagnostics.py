@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
+from SPA_agent.evaluation.plots import plot_diagnostics
 from SPA_agent.generators.base import FINISH_STOP, Generation, Prompt
-from SPA_agent.plots import plot_diagnostics
 from SPA_agent.rollout.agent_proxy import LLMAgentProxy
 from SPA_agent.rollout.chat_tokens import ChatTokenizer
 from SPA_agent.rollout.turns import Observation, Turn, as_entry, turns

@@ -95,7 +95,7 @@ def test_lora_ppo_runs_resumes_and_its_merged_checkpoint_evaluates(ppo_config, t
     """Two steps straight vs. one step then a resumed second: same losses, same adapters; the merged actor is
     base + adapter and `SPA_agent.evaluate` runs on it."""
     from SPA_agent.config import compose
-    from SPA_agent.evaluate import evaluate, prepare_eval_config
+    from SPA_agent.evaluation.evaluate import evaluate, prepare_eval_config
 
     common = (*LORA[:3], "trainer.save_freq=1", "trainer.test_freq=0", "ppo_mini_batch_size=2")
     straight = run(ppo_config("_2_sokoban", "trainer.total_training_steps=2", *common,

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from SPA_agent.plots import plot_dir
+from SPA_agent.evaluation.plots import plot_dir
 from SPA_agent.runs import checkpoints
 from SPA_agent.runs.dir_lock import DirLock
 from SPA_agent.runs.metrics_logger import read_metrics
