@@ -168,7 +168,7 @@ class HFGenerator:
         progress: bool = True,
         max_batch_tokens: int | str | None = None,
         compile_decode_step: bool = False,
-        liger_kernels: bool = False,
+        liger_kernels: bool | str = False,
     ):
         if batch_size is not None and batch_size != "auto" and (not isinstance(batch_size, int) or batch_size < 1):
             raise ValueError(f"generator.batch_size must be a positive integer, auto or null, got {batch_size!r}")
@@ -188,11 +188,10 @@ class HFGenerator:
         self.cuda_graphs = cuda_graphs and on_gpu
         self.compile_decode_step = compile_decode_step
         # Liger's fused kernels on a GPU (liger_decode.py); CPU decoding keeps transformers' float32 modules
-        self.liger_kernels = liger_kernels and on_gpu
-        if self.liger_kernels:
-            from SPA_agent.generators import liger_decode
+        from SPA_agent.generators import liger_decode
 
-            liger_decode.check_liger(model)
+        self.liger_kernels = liger_decode.resolve(liger_kernels, model)
+        if self.liger_kernels:
             liger_decode.patch_model(model)
         self._static = None
         self._calls = 0
@@ -211,7 +210,7 @@ class HFGenerator:
             cuda_graphs=bool(cfg.get("cuda_graphs", True)),
             progress=bool(cfg.get("progress", True)),
             compile_decode_step=bool(cfg.get("compile_decode_step", False)),
-            liger_kernels=bool(cfg.get("liger_kernels", False)),
+            liger_kernels=cfg.get("liger_kernels", False),
         )
 
     @property

@@ -9,7 +9,7 @@ sampling distribution; the samples can differ where bf16 rounding differs.
 Only the generation model is changed: `patch_model` rebinds the forward of this instance's RMSNorm and MLP
 modules, and the rotary embedding, which transformers calls as a module-level function, is swapped in only while
 `fused_rope` is open (the generator's calls), so the PPO actor trained in the same process keeps transformers' own
-functions. CUDA GPUs only (Triton); `pip install -e '.[liger]'`.
+functions. CUDA GPUs only (Triton); `pip install -e '.[liger]'`. `auto` uses them where they can run.
 """
 
 from __future__ import annotations
@@ -23,6 +23,20 @@ from collections.abc import Iterator
 MODEL_MODULES = {"llama": "transformers.models.llama.modeling_llama",
                  "qwen2": "transformers.models.qwen2.modeling_qwen2"}
 INSTALL_HINT = "pip install -e '.[liger]'"
+
+
+def resolve(setting, model) -> bool:
+    """Whether to use Liger's kernels for `model` under generator.liger_kernels = true | false | auto. Only on a CUDA
+    GPU (CPU decoding keeps transformers' float32 modules); `auto` where they can run (a supported model, the
+    package installed), `true` raises a one-line ValueError where they cannot."""
+    if str(setting).lower() not in ("true", "false", "auto"):
+        raise ValueError(f"generator.liger_kernels must be true, false or auto, got {setting!r}")
+    if str(setting).lower() == "false" or next(model.parameters()).device.type != "cuda":
+        return False
+    if str(setting).lower() == "auto":
+        return model.config.model_type in MODEL_MODULES and importlib.util.find_spec("liger_kernel") is not None
+    check_liger(model)
+    return True
 
 
 def check_liger(model) -> None:

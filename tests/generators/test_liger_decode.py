@@ -27,6 +27,13 @@ def test_cpu_decoding_keeps_transformers_modules(varied_model, tiny_tokenizer, p
     assert [g.token_ids for g in generator.generate(prompts)] == [g.token_ids for g in plain]
 
 
+def test_setting_is_true_false_or_auto_and_off_on_cpu(varied_model):
+    for setting in (True, False, "auto", "true"):
+        assert liger_decode.resolve(setting, varied_model) is False  # a CPU model
+    with pytest.raises(ValueError, match="generator.liger_kernels must be true, false or auto, got 'yes'"):
+        liger_decode.resolve("yes", varied_model)
+
+
 def test_check_names_the_unsupported_model_and_the_missing_package(varied_model, monkeypatch):
     other = copy.deepcopy(varied_model)
     other.config.model_type = "gpt2"
