@@ -109,27 +109,27 @@ PAPER_SFT = ("data.prompt_key=prompt", "data.response_key=response", "optim.lr=1
              "model.enable_gradient_checkpointing=False")
 
 
-def data_command(config: str, model: str, output_dir: str | Path, *, generator: str, batches: int, resume: bool,
-                 settings: Sequence[str] = (), overrides: Sequence[str] = ()) -> list[str]:
-    """Stage 1: `batches` rollout batches of self-play data with `generator` into `output_dir` (continuing a
-    matching unfinished run there when `resume`)."""
+def data_command(config: str, model: str, output_dir: str | Path, *, generator: str, batches: int | None = None,
+                 resume: bool | None = None, settings: Sequence[str] = (), overrides: Sequence[str] = ()) -> list[str]:
+    """Stage 1: `batches` rollout batches of self-play data with `generator` into `output_dir`, continuing a matching
+    unfinished run there when `resume` (None: config/data_gen.yaml's value of each)."""
+    batches_setting = [] if batches is None else [f"data_gen.num_batches={batches}"]
+    resume_setting = [] if resume is None else [f"data_gen.resume={str(resume).lower()}"]
     return ["-m", MODULES["data"], "--config-name", config, f"model={model}", *settings, f"generator={generator}",
-            f"data_gen.num_batches={batches}", f"data_gen.output_dir={output_dir}",
-            f"data_gen.resume={str(resume).lower()}", *overrides]
+            *batches_setting, f"data_gen.output_dir={output_dir}", *resume_setting, *overrides]
 
 
-def sft_overrides(data_dir: str | Path, save_dir: str | Path, model: str, *, max_length: int, name: str,
-                  resume: str, settings: Sequence[str] = (), overrides: Sequence[str] = ()) -> list[str]:
-    """Stage 2's Hydra overrides: train `model` on `data_dir`'s splits into `save_dir` (`resume`: auto or disable)."""
+def sft_overrides(data_dir: str | Path, save_dir: str | Path, model: str, *, settings: Sequence[str] = (),
+                  overrides: Sequence[str] = ()) -> list[str]:
+    """Stage 2's Hydra overrides: train `model` on `data_dir`'s splits into `save_dir`."""
     return [f"data.train_files={data_file(data_dir, TRAIN_FILE)}", f"data.val_files={data_file(data_dir, VAL_FILE)}",
-            f"data.max_length={max_length}", *settings, f"model.partial_pretrain={model}",
-            f"trainer.default_local_dir={save_dir}", f"trainer.experiment_name={name}", f"trainer.resume={resume}",
-            *overrides]
+            f"model.partial_pretrain={model}", f"trainer.default_local_dir={save_dir}", *settings, *overrides]
 
 
-def sft_command(data_dir: str | Path, save_dir: str | Path, model: str, **kwargs) -> list[str]:
-    """Stage 2 (the command of one rank, which sft/finetune_ft.sh launches over torchrun): see `sft_overrides`."""
-    return ["-m", MODULES["sft"], *sft_overrides(data_dir, save_dir, model, **kwargs)]
+def sft_command(data_dir: str | Path, save_dir: str | Path, model: str, *, settings: Sequence[str] = (),
+                overrides: Sequence[str] = ()) -> list[str]:
+    """Stage 2, the command of one rank (sft/finetune_ft.sh launches it over torchrun): see `sft_overrides`."""
+    return ["-m", MODULES["sft"], *sft_overrides(data_dir, save_dir, model, settings=settings, overrides=overrides)]
 
 
 def ppo_command(config: str, model: str, model_path: str | Path, run_dir: str | Path, *, name: str, steps: int,
@@ -189,9 +189,10 @@ def script_sft_command(env_type: str, save_dir: str, data_dir: str, model_size: 
 
     row = script_model(model_size, "model size")
     card_check = [f"data.config_name={env_type}"] if (CONFIG_DIR / f"{env_type}.yaml").is_file() else []
-    return sft_command(data_dir, save_dir, row.sft_model(), max_length=row.sft_max_length, resume=resume,
-                       name=f"{env_type}-sft-{row.sft_family}-{model_size}-instruct", settings=PAPER_SFT,
-                       overrides=[*card_check, *overrides])
+    name = f"{env_type}-sft-{row.sft_family}-{model_size}-instruct"
+    return sft_command(data_dir, save_dir, row.sft_model(), overrides=[*card_check, *overrides], settings=[
+        f"data.max_length={row.sft_max_length}", f"trainer.experiment_name={name}", f"trainer.resume={resume}",
+        *PAPER_SFT])
 
 
 class ScriptError(ValueError):
@@ -213,10 +214,11 @@ def _parser() -> argparse.ArgumentParser:
                                      "after --.")
     sub = parser.add_subparsers(dest="stage", required=True)
     data = sub.add_parser("data", help="stage 1: self-play data")
-    for flag in ("--config", "--model", "--render-mode", "--generator", "--output-dir"):
+    for flag in ("--config", "--model", "--generator", "--output-dir"):
         data.add_argument(flag, required=True)
-    data.add_argument("--batches", type=int, required=True)
-    data.add_argument("--resume", choices=("true", "false"), required=True)
+    data.add_argument("--render-mode", help="default: the config's")
+    data.add_argument("--batches", type=int, help="default: the config's")
+    data.add_argument("--resume", choices=("true", "false"), help="default: the config's")
     sft = sub.add_parser("sft", help="stage 2: world-model SFT (sft/finetune_ft.sh)")
     for flag in ("--env-type", "--save-dir", "--data-dir", "--model-size"):
         sft.add_argument(flag, required=True)
@@ -249,9 +251,10 @@ def script_command(args: argparse.Namespace, overrides: list[str]) -> list[str]:
     from SPA_agent.model_presets import script_model
 
     if args.stage == "data":
+        render = [f"render_mode={args.render_mode}"] if args.render_mode else []
+        resume = None if args.resume is None else args.resume == "true"
         return data_command(args.config, args.model, args.output_dir, generator=args.generator, batches=args.batches,
-                            resume=args.resume == "true", settings=[f"render_mode={args.render_mode}"],
-                            overrides=overrides)
+                            resume=resume, settings=render, overrides=overrides)
     if args.stage == "sft":
         command = script_sft_command(args.env_type, args.save_dir, args.data_dir, args.model_size, args.resume,
                                      overrides)

@@ -6,9 +6,15 @@
 # A run starts fresh in <save_path>; RESUME=1 continues a run there with the same settings, data and model.
 set -euo pipefail
 
+python=${PYTHON:-python}
+# This repository's code whatever the directory (as scripts/common.sh).
+export PYTHONPATH="$(cd "$(dirname "$0")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
+
 usage() {
+    local splits
+    splits="$("$python" -c 'from SPA_agent.stages import DATA_FILES; print(" and ".join(DATA_FILES))')"
     echo "usage: $0 <env_type> <nproc_per_node> <save_path> <data_path> <model_size: a MODEL name (python -m SPA_agent.model_presets list)> [hydra overrides...]" >&2
-    echo "  <data_path> must hold wm_train.parquet and wm_val.parquet (stage 1 output)" >&2
+    echo "  <data_path> must hold $splits (stage 1 output)" >&2
     exit 2
 }
 [[ $# -lt 5 ]] && usage
@@ -19,10 +25,6 @@ save_path=$3
 data_path=$4
 model_size=$5
 shift 5
-
-python=${PYTHON:-python}
-# This repository's code whatever the directory (as scripts/common.sh).
-export PYTHONPATH="$(cd "$(dirname "$0")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 
 case "${RESUME:-0}" in
     1|true|True) resume=auto; append_log=1 ;;
