@@ -195,6 +195,10 @@ def script_sft_command(env_type: str, save_dir: str, data_dir: str, model_size: 
         *PAPER_SFT])
 
 
+#: train_ppo_sfted.sh's checkpoint interval (PPO steps)
+SCRIPT_PPO_SAVE_FREQ = 100
+
+
 class ScriptError(ValueError):
     """A script's argument that no stage can run with: one line."""
 
@@ -246,31 +250,47 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def script_command(args: argparse.Namespace, overrides: list[str]) -> list[str]:
-    """The command of `args.stage` for the bash scripts, from the parsed flags."""
+def _render(mode: str | None) -> list[str]:
+    """`render_mode=<mode>` when a mode is given; none lets the config (and an experiment=<name>) decide."""
+    return [f"render_mode={mode}"] if mode else []
+
+
+def _data(args: argparse.Namespace, overrides: list[str]) -> list[str]:
+    resume = None if args.resume is None else args.resume == "true"
+    return data_command(args.config, args.model, args.output_dir, generator=args.generator, batches=args.batches,
+                        resume=resume, settings=_render(args.render_mode), overrides=overrides)
+
+
+def _sft(args: argparse.Namespace, overrides: list[str]) -> list[str]:
+    command = script_sft_command(args.env_type, args.save_dir, args.data_dir, args.model_size, args.resume, overrides)
+    check_sft_arguments(args.nproc, args.data_dir if args.check_data else None)
+    return command
+
+
+def _ppo(args: argparse.Namespace, overrides: list[str]) -> list[str]:
+    return ppo_command(args.config, args.model, args.model_path, ppo_run_dir(args.base_dir, args.config, args.name),
+                       name=args.name, steps=args.steps, save_freq=SCRIPT_PPO_SAVE_FREQ, resume_mode=args.resume_mode,
+                       settings=[*_render(args.render_mode), *backend_settings(args.ngpus, args.rollout_tp)],
+                       overrides=overrides)
+
+
+def _evaluation(args: argparse.Namespace, overrides: list[str]) -> list[str]:
     from SPA_agent.model_presets import script_model
 
-    if args.stage == "data":
-        render = [f"render_mode={args.render_mode}"] if args.render_mode else []
-        resume = None if args.resume is None else args.resume == "true"
-        return data_command(args.config, args.model, args.output_dir, generator=args.generator, batches=args.batches,
-                            resume=resume, settings=render, overrides=overrides)
-    if args.stage == "sft":
-        command = script_sft_command(args.env_type, args.save_dir, args.data_dir, args.model_size, args.resume,
-                                     overrides)
-        check_sft_arguments(args.nproc, args.data_dir if args.check_data else None)
-        return command
-    if args.stage == "ppo":
-        render = [f"render_mode={args.render_mode}"] if args.render_mode else []
-        return ppo_command(args.config, args.model, args.model_path, ppo_run_dir(args.base_dir, args.config, args.name),
-                           name=args.name, steps=args.steps, save_freq=100, resume_mode=args.resume_mode,
-                           settings=[*render, *backend_settings(args.ngpus, args.rollout_tp)], overrides=overrides)
-    if args.stage == "evaluation":
-        return evaluation_command(args.config, script_model(args.model_size).preset, args.model_path, args.output_dir,
-                                  settings=[f"render_mode={args.render_mode}", f"generator={args.generator}"],
-                                  overrides=overrides)
-    paper_model = args.model_size if script_model(args.model_size).in_paper else None
-    return report_command(args.eval_dir, args.run_dir, paper_model)
+    return evaluation_command(args.config, script_model(args.model_size).preset, args.model_path, args.output_dir,
+                              settings=[*_render(args.render_mode), f"generator={args.generator}"],
+                              overrides=overrides)
+
+
+def _report(args: argparse.Namespace, overrides: list[str]) -> list[str]:
+    from SPA_agent.model_presets import script_model
+
+    return report_command(args.eval_dir, args.run_dir, args.model_size if script_model(args.model_size).in_paper
+                          else None)
+
+
+#: the scripts' command of each stage, from the parsed flags and the Hydra overrides after --
+SCRIPT_COMMANDS = {"data": _data, "sft": _sft, "ppo": _ppo, "evaluation": _evaluation, "report": _report}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -286,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                                   args.start or None, args.data_suffix, args.sft_suffix)
             print("\n".join(f"{key}={shlex.quote(value)}" for key, value in values.items()))
         else:
-            print("\n".join(script_command(args, overrides)))
+            print("\n".join(SCRIPT_COMMANDS[args.stage](args, overrides)))
     except (UnknownModelError, ScriptError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
