@@ -59,7 +59,7 @@ model_settings() {
 }
 
 # stage_command STAGE FLAGS... [-- overrides...]: the python arguments of one stage, one a line, from the stage
-# definition (SPA_agent/stages.py, `python -m SPA_agent.stages --help`); a bad flag is one line and exit status 2.
+# definition (SPA_agent/stages.py, `python -m SPA_agent.stages --help`); an unknown MODEL is one line, exit status 2.
 stage_command() { python -m SPA_agent.stages "$@" || exit 2; }
 
 # script_names FLAGS...: the folders of a script's run as shell variables (DEFAULT_OUTPUT_DIR,
