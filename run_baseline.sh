@@ -22,9 +22,10 @@ RENDER_MODE="$EXP_RENDER_MODE"
 export MODEL RENDER_MODE
 model_settings "$MODEL"
 MODEL_PATH="$(python -c "from SPA_agent.config import compose; print(compose('$CONFIG_NAME', ['model=$MODEL_PRESET']).model_path)")"
-EXPERIMENT_NAME="${CONFIG_NAME}-${MODEL}-${RENDER_MODE}-${EXPERIMENT}"
-RUN_DIR="${BASE_DIR:-./checkpoints}/$CONFIG_NAME/$EXPERIMENT_NAME"
-EVAL_DIR="${EVAL_DIR:-./evals/$EXPERIMENT_NAME}"
+# EXPERIMENT_NAME, RUN_DIR and the default EVAL_DIR of the PPO run (SPA_agent/stages.py).
+script_names --config="$CONFIG_NAME" --model-size="$MODEL" --render-mode="$RENDER_MODE" --experiment="$EXPERIMENT" \
+    --base-dir="${BASE_DIR:-./checkpoints}"
+EVAL_DIR="${EVAL_DIR:-$DEFAULT_EVAL_DIR}"
 # The evaluations' settings are checked with PPO's, before PPO runs (scripts/common.sh check_stages).
 check_stages "$(SPA_PRINT_STAGE=1 bash "$SPA_REPO/train_ppo_sfted.sh" "$CONFIG_NAME" "$MODEL_PATH" "$EXPERIMENT_NAME" "$@")" \
     "$(evaluation_args "$CONFIG_NAME" "$MODEL_PATH" "$EVAL_DIR/before_ppo" "$(default_generator)" "$@")"

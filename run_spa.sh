@@ -48,13 +48,16 @@ GENERATOR="${GENERATOR:-${EXP_DATA_GENERATOR:-${MODEL_DATA_GENERATOR:-$(default_
 SFT_DEFAULTS="$MODEL_SFT_DEFAULTS"
 # SFT overrides, later ones win: CPU-sized defaults, the experiment's, then SFT_OVERRIDES.
 SFT_OVERRIDES="$SFT_DEFAULTS $EXP_SFT_OVERRIDES ${SFT_OVERRIDES:-}"
-OUTPUT_DIR="${OUTPUT_DIR:-./sftdata/${CONFIG_NAME}-${MODEL}-${RENDER_MODE}${EXP_DATA_SUFFIX}}"
-CHECKPOINT_DIR="${CHECKPOINT_DIR:-./sftckpt/checkpoints${CONFIG_NAME}-${MODEL}-${RENDER_MODE}-${MODEL_FAMILY}${EXP_SFT_SUFFIX}}"
+# The folders between the stages (SPA_agent/stages.py): the defaults of OUTPUT_DIR and CHECKPOINT_DIR.
+script_names --config="$CONFIG_NAME" --model-size="$MODEL" --render-mode="$RENDER_MODE" --experiment="$EXPERIMENT" \
+    --base-dir="${BASE_DIR:-./checkpoints}" --data-suffix="$EXP_DATA_SUFFIX" --sft-suffix="$EXP_SFT_SUFFIX"
+OUTPUT_DIR="${OUTPUT_DIR:-$DEFAULT_OUTPUT_DIR}"
+CHECKPOINT_DIR="${CHECKPOINT_DIR:-$DEFAULT_CHECKPOINT_DIR}"
 export MODEL RENDER_MODE NGPUS
 
-DATA_STAGE=(-m SPA_agent.generate_sft_data --config-name "$CONFIG_NAME" model="$MODEL_PRESET"
-            render_mode="$RENDER_MODE" generator="$GENERATOR" data_gen.num_batches="$BT_NUM" data_gen.output_dir="$OUTPUT_DIR"
-            data_gen.resume="$DATA_RESUME" "$@")
+DATA_STAGE_TEXT="$(stage_command data --config="$CONFIG_NAME" --model="$MODEL_PRESET" --render-mode="$RENDER_MODE" \
+    --generator="$GENERATOR" --batches="$BT_NUM" --output-dir="$OUTPUT_DIR" --resume="$DATA_RESUME" -- "$@")"
+mapfile -t DATA_STAGE <<< "$DATA_STAGE_TEXT"
 # shellcheck disable=SC2086
 SFT_STAGE=("$CONFIG_NAME" "$(( NGPUS > 0 ? NGPUS : 1 ))" "$CHECKPOINT_DIR" "$OUTPUT_DIR" "$MODEL" ${SFT_OVERRIDES:-})
 USER_EVAL_DIR="${EVAL_DIR:-}"
@@ -71,9 +74,9 @@ sft_checkpoint() {
 
 # ppo_names CKPT_PATH: EXPERIMENT_NAME, RUN_DIR and EVAL_DIR of the PPO run from that checkpoint.
 ppo_names() {
-    EXPERIMENT_NAME="${CONFIG_NAME}-${MODEL}-${RENDER_MODE}-${EXPERIMENT}-$(basename "$1")"
-    RUN_DIR="${BASE_DIR:-./checkpoints}/$CONFIG_NAME/$EXPERIMENT_NAME"
-    EVAL_DIR="${USER_EVAL_DIR:-./evals/$EXPERIMENT_NAME}"
+    script_names --config="$CONFIG_NAME" --model-size="$MODEL" --render-mode="$RENDER_MODE" \
+        --experiment="$EXPERIMENT" --base-dir="${BASE_DIR:-./checkpoints}" --start="$1"
+    EVAL_DIR="${USER_EVAL_DIR:-$DEFAULT_EVAL_DIR}"
 }
 
 # Every stage's settings are checked before the first stage runs, with the commands the stages will run (the SFT

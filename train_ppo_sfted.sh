@@ -17,8 +17,6 @@ check_config "$CONFIG_NAME"
 check_script_variables
 export PYTHONHASHSEED=10000
 MODEL="${MODEL:-1.5B}"
-# RENDER_MODE, when set, overrides the config (and an experiment=<name>); unset, the config decides.
-RENDER_ARGS=(); [ -n "${RENDER_MODE:-}" ] && RENDER_ARGS=(render_mode="$RENDER_MODE")
 BASE_DIR="${BASE_DIR:-./checkpoints}"
 NGPUS="$(gpu_count)"
 model_settings "$MODEL"
@@ -27,15 +25,11 @@ RESUME_MODE=disable; is_resume && RESUME_MODE=auto
 case "$CKPT" in */*) ;; *) [[ " $NAMED_MODELS " == *" $CKPT "* ]] || [ -d "$CKPT" ] || die "checkpoint '$CKPT' is not a directory" ;; esac
 if [ -e "$CKPT" ] && [ ! -f "$CKPT/config.json" ]; then die "'$CKPT' is not a Hugging Face model directory (no config.json)"; fi
 
-# One process for CPU or one GPU (local backend); verl's Ray/FSDP workers with tensor-parallel vLLM beyond.
-BACKEND_ARGS=(trainer.backend=local)
-if [ "$NGPUS" -gt 1 ]; then
-    BACKEND_ARGS=(trainer.backend=verl actor_rollout_ref.rollout.tensor_model_parallel_size="${ROLLOUT_TP:-auto}")
-fi
-
-run_stage -m SPA_agent.trainer.main_ppo --config-name "$CONFIG_NAME" model="$MODEL_PRESET" \
-    model_path="$CKPT" "${RENDER_ARGS[@]}" "${BACKEND_ARGS[@]}" \
-    trainer.n_gpus_per_node="$(( NGPUS > 0 ? NGPUS : 1 ))" \
-    trainer.total_training_steps="$TOTAL_STEPS" trainer.save_freq=100 \
-    trainer.experiment_name="$EXPERIMENT_NAME" trainer.resume_mode="$RESUME_MODE" \
-    trainer.default_local_dir="$BASE_DIR/$CONFIG_NAME/$EXPERIMENT_NAME" "$@"
+# One process for CPU or one GPU (local backend); verl's Ray/FSDP workers with tensor-parallel vLLM beyond
+# (SPA_agent/stages.py backend_settings). RENDER_MODE, when set, overrides the config (and an experiment=<name>);
+# unset, the config decides.
+PPO_STAGE_TEXT="$(stage_command ppo --config="$CONFIG_NAME" --model="$MODEL_PRESET" --model-path="$CKPT" \
+    --render-mode="${RENDER_MODE:-}" --ngpus="$NGPUS" --rollout-tp="${ROLLOUT_TP:-auto}" --steps="$TOTAL_STEPS" \
+    --name="$EXPERIMENT_NAME" --resume-mode="$RESUME_MODE" --base-dir="$BASE_DIR" -- "$@")"
+mapfile -t PPO_STAGE <<< "$PPO_STAGE_TEXT"
+run_stage "${PPO_STAGE[@]}"

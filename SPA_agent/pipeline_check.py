@@ -26,6 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from SPA_agent.config import CONFIG_DIR
 from SPA_agent.entry import EXIT_USAGE, USER_ERRORS
+from SPA_agent.stages import STAGES as PIPELINE
 
 SEPARATOR = "--then"
 SFT_CONFIG_DIR = Path(__file__).resolve().parents[1] / "sft" / "config"
@@ -66,13 +67,12 @@ def check_evaluation(config_name: str, overrides: Sequence[str]) -> None:
     prepare_eval_config(_compose(CONFIG_DIR, config_name, overrides), config_name)
 
 
-#: entry-point module -> (stage name in messages, config dir, default config name, check)
+#: stage -> (config dir, default config name, check)
+CHECKS = {"data": (CONFIG_DIR, None, check_data), "sft": (SFT_CONFIG_DIR, "sft_trainer", check_sft),
+          "ppo": (CONFIG_DIR, "_2_sokoban", check_ppo), "evaluation": (CONFIG_DIR, None, check_evaluation)}
+#: entry-point module -> (stage name in messages, config dir, default config name, check), in pipeline order
 STAGES: dict[str, tuple[str, Path, str | None, Callable[[str, Sequence[str]], None]]] = {
-    "SPA_agent.generate_sft_data": ("stage 1 (self-play data)", CONFIG_DIR, None, check_data),
-    "sft.spa_sft_trainer": ("stage 2 (SFT)", SFT_CONFIG_DIR, "sft_trainer", check_sft),
-    "SPA_agent.trainer.main_ppo": ("PPO", CONFIG_DIR, "_2_sokoban", check_ppo),
-    "SPA_agent.evaluate": ("evaluation", CONFIG_DIR, None, check_evaluation),
-}
+    stage.module: (stage.title, *CHECKS[stage.name]) for stage in PIPELINE if stage.name in CHECKS}
 
 
 def split_command(argv: Sequence[str]) -> tuple[str, str | None, list[str]]:

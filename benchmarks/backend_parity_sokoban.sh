@@ -44,9 +44,10 @@ export MODEL=smollm2-135m PYTHONHASHSEED=10000
 
 if [ -z "$ckpt" ]; then
     echo "== SFT checkpoint: stages 1-2 -> $work/sft $(date -u +%T)" | tee -a "$out/summary.txt"
-    python -m SPA_agent.generate_sft_data --config-name _2_sokoban model=smollm2-135m \
-        render_mode=text_with_coordinates generator=random data_gen.num_batches=5 \
-        data_gen.output_dir="$work/data" > "$out/data.log" 2>&1 || { echo "error: data ($out/data.log)" >&2; exit 1; }
+    data_stage="$(python -m SPA_agent.stages data --config=_2_sokoban --model=smollm2-135m \
+        --render-mode=text_with_coordinates --generator=random --batches=5 --output-dir="$work/data")" || exit 2
+    mapfile -t data_stage <<< "$data_stage"
+    python "${data_stage[@]}" > "$out/data.log" 2>&1 || { echo "error: data ($out/data.log)" >&2; exit 1; }
     # shellcheck disable=SC2086
     CUDA_VISIBLE_DEVICES=0 bash sft/finetune_ft.sh _2_sokoban 1 "$work/sft" "$work/data" smollm2-135m $sft_overrides \
         > "$out/sft.log" 2>&1 || { echo "error: SFT ($out/sft.log)" >&2; exit 1; }

@@ -34,9 +34,7 @@ def make_data(config: str, out: Path, overrides: list[str]) -> Path:
 
 
 def sft_run(data: Path, out: Path, device: str, overrides: list[str]) -> tuple[Path, list[dict]]:
-    checkpoint = sft.train([f"data.train_files={data / 'wm_train.parquet'}", f"data.val_files={data / 'wm_val.parquet'}",
-                            f"model.partial_pretrain={MODEL}", f"trainer.default_local_dir={out}",
-                            f"trainer.device={device}", *overrides])
+    checkpoint = sft.train_on(data, out, MODEL, [f"trainer.device={device}", *overrides])
     return checkpoint, [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 

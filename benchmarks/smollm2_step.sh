@@ -19,7 +19,9 @@
 set -uo pipefail
 [ $# -ge 1 ] || { echo "usage: bash benchmarks/smollm2_step.sh <out> [data_dir] [smollm2_step.py arguments...]" >&2; exit 2; }
 DATA="${2:-}"
-[ -z "$DATA" ] || [ -f "$DATA/wm_train.parquet" ] || { echo "error: '$DATA' holds no wm_train.parquet" >&2; exit 2; }
+# stage 1's training split, named by the stage definition (SPA_agent/stages.py)
+TRAIN_FILE="$(cd "$(dirname "$0")/.." && python -c 'from SPA_agent.stages import TRAIN_FILE; print(TRAIN_FILE)')" || exit 2
+[ -z "$DATA" ] || [ -f "$DATA/$TRAIN_FILE" ] || { echo "error: '$DATA' holds no $TRAIN_FILE" >&2; exit 2; }
 [ -z "$DATA" ] || DATA="$(cd "$DATA" && pwd)"
 OUT="$(mkdir -p "$1" && cd "$1" && pwd)" || exit 2
 shift $(( $# < 2 ? $# : 2 ))
@@ -56,8 +58,10 @@ stage check 60 python -X importtime -c "import torch, SPA_agent.smollm2, SPA_age
 stage convert 300 python -m SPA_agent.smollm2
 if [ -z "$DATA" ]; then
     DATA="$OUT/data"
-    stage data 300 python -m SPA_agent.generate_sft_data --config-name _2_sokoban model=smollm2-135m generator=random \
-        data_gen.num_batches=5 data_gen.output_dir="$DATA"
+    data_stage="$(python -m SPA_agent.stages data --config=_2_sokoban --model=smollm2-135m --generator=random \
+        --batches=5 --output-dir="$DATA")" || exit 2
+    mapfile -t data_stage <<< "$data_stage"
+    stage data 300 python "${data_stage[@]}"
 fi
 # shellcheck disable=SC2086
 stage sft "${SFT_TIMEOUT:-900}" bash sft/finetune_ft.sh _2_sokoban 1 "$OUT/sft" "$DATA" smollm2-135m \

@@ -21,8 +21,10 @@ PPO=(ctx_manager.mode="$MODE" trainer.total_training_steps="$STEPS" trainer.test
 
 python -m SPA_agent.smollm2 > "$OUT/logs/convert.log" 2>&1
 # Stages 1 and 2 as run_spa.sh runs them for MODEL=smollm2-135m.
-python -m SPA_agent.generate_sft_data --config-name _2_sokoban model=smollm2-135m generator=random \
-    data_gen.output_dir="$OUT/data" > "$OUT/logs/data.log" 2>&1
+DATA_STAGE="$(python -m SPA_agent.stages data --config=_2_sokoban --model=smollm2-135m --generator=random \
+    --output-dir="$OUT/data")" || exit 2
+mapfile -t DATA_STAGE <<< "$DATA_STAGE"
+python "${DATA_STAGE[@]}" > "$OUT/logs/data.log" 2>&1
 bash sft/finetune_ft.sh _2_sokoban 1 "$OUT/sft" "$OUT/data" smollm2-135m trainer.total_epochs=2 > "$OUT/logs/sft.log" 2>&1
 SFT="$(ls -d "$OUT"/sft/global_step_* | sort -V | tail -n 1)"
 while read -r name overrides; do

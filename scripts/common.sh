@@ -58,8 +58,17 @@ model_settings() {
     eval "$settings"
 }
 
-# model_preset SIZE: Hydra model preset for MODEL=SIZE (one field of the table).
-model_preset() { python -m SPA_agent.model_presets lookup "$1" preset || exit 2; }
+# stage_command STAGE FLAGS... [-- overrides...]: the python arguments of one stage, one a line, from the stage
+# definition (SPA_agent/stages.py, `python -m SPA_agent.stages --help`); an unknown MODEL is one line, exit status 2.
+stage_command() { python -m SPA_agent.stages "$@" || exit 2; }
+
+# script_names FLAGS...: the folders of a script's run as shell variables (DEFAULT_OUTPUT_DIR,
+# DEFAULT_CHECKPOINT_DIR, EXPERIMENT_NAME, RUN_DIR, DEFAULT_EVAL_DIR), from the stage definition.
+script_names() {
+    local names
+    names="$(python -m SPA_agent.stages names "$@")" || exit 2
+    eval "$names"
+}
 
 # gpu_count: visible CUDA devices (CUDA_VISIBLE_DEVICES if set, else nvidia-smi), 0 without CUDA.
 gpu_count() {
@@ -125,9 +134,8 @@ check_stages() {
 evaluation_args() {
     local config="$1" model_path="$2" out_dir="$3" generator="$4"
     shift 4
-    printf '%s\n' -m SPA_agent.evaluate --config-name "$config" model="$(model_preset "$MODEL")" \
-        model_path="$model_path" render_mode="$RENDER_MODE" generator="$generator" evaluation.output_dir="$out_dir" \
-        evaluation.overwrite=true "$@"
+    stage_command evaluation --config="$config" --model-size="$MODEL" --model-path="$model_path" \
+        --output-dir="$out_dir" --render-mode="$RENDER_MODE" --generator="$generator" -- "$@"
 }
 
 # evaluate_before_after CONFIG BEFORE_MODEL RUN_DIR EVAL_DIR [overrides...]: evaluate BEFORE_MODEL and the final
@@ -145,10 +153,9 @@ evaluate_before_after() {
         mapfile -t args <<< "$text"
         python "${args[@]}"
     done
-    local paper_args=()
-    [ -n "$(python -m SPA_agent.model_presets lookup "$MODEL" in_paper)" ] && paper_args=(--paper-model "$MODEL")
-    python -m SPA_agent.report "$eval_dir/before_ppo" "$eval_dir/after_ppo" "$run_dir" "${paper_args[@]}" \
-        --out "$eval_dir/summary.md"
+    text="$(stage_command report --eval-dir="$eval_dir" --run-dir="$run_dir" --model-size="$MODEL")"
+    mapfile -t args <<< "$text"
+    python "${args[@]}"
 }
 
 # print_ppo_outputs RUN_DIR EVAL_DIR: the closing lines shared by run_spa.sh and run_baseline.sh.

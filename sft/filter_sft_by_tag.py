@@ -28,8 +28,7 @@ from SPA_agent.runs import atomic_io
 from SPA_agent.runs.dir_lock import DirLock
 from SPA_agent.selfplay.data_card import CARD_FILE, describe_files
 from SPA_agent.selfplay.worldmodel import has_worldmodel_format
-
-SPLITS = ("wm_train", "wm_val")
+from SPA_agent.stages import DATA_FILES, SPLITS
 
 
 def row_key(prompt: Any, response: str) -> str:
@@ -86,7 +85,7 @@ def filter_dir(
     paths = {split: input_dir / f"{split}.parquet" for split in SPLITS}
     missing = [str(p) for p in paths.values() if not p.is_file()]
     if missing:
-        raise FileNotFoundError(f"missing input file(s) {missing}: pass the directory holding wm_train/wm_val.parquet")
+        raise FileNotFoundError(f"missing input file(s) {missing}: pass the directory holding {'/'.join(SPLITS)}.parquet")
     if output_dir.resolve() == input_dir.resolve():
         raise ValueError("--output must differ from --input (the inputs would be overwritten)")
     if min_len is not None and max_len is not None and min_len > max_len:
@@ -95,8 +94,9 @@ def filter_dir(
     for split, path in paths.items():
         tables[split], stats[split] = filter_table(pq.read_table(path), min_len, max_len, dedup)
     empty = [split for split, s in stats.items() if s.kept == 0 and s.total > 0]
-    if "wm_train" in empty:
-        raise ValueError(f"no row of {paths['wm_train']} passes the filter ({stats['wm_train']}); loosen "
+    train = SPLITS[0]
+    if train in empty:
+        raise ValueError(f"no row of {paths[train]} passes the filter ({stats[train]}); loosen "
                          "--min-len/--max-len")
     with DirLock(output_dir):
         (output_dir / CARD_FILE).unlink(missing_ok=True)
@@ -108,7 +108,7 @@ def filter_dir(
             "source_card": json.loads(source_card.read_text(encoding="utf-8")) if source_card.is_file() else None,
             "filter": {"min_len": min_len, "max_len": max_len, "dedup": dedup},
             "splits": {split: asdict(s) for split, s in stats.items()},
-            "files": describe_files(output_dir, [f"{split}.parquet" for split in SPLITS])})
+            "files": describe_files(output_dir, DATA_FILES)})
     return stats
 
 
@@ -116,8 +116,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Keep SFT rows whose response has <think> with <observation> before <prediction>, "
         "before <answer> (spec §8).")
-    parser.add_argument("--input", required=True, type=Path, help="directory with wm_train.parquet and wm_val.parquet")
-    parser.add_argument("--output", required=True, type=Path, help="directory for the filtered wm_{train,val}.parquet")
+    parser.add_argument("--input", required=True, type=Path, help=f"directory with {' and '.join(DATA_FILES)}")
+    parser.add_argument("--output", required=True, type=Path, help="directory for the filtered splits")
     parser.add_argument("--min-len", type=int, default=None, help="drop responses shorter than this (characters)")
     parser.add_argument("--max-len", type=int, default=None, help="drop responses longer than this (characters)")
     parser.add_argument("--no-dedup", action="store_true", help="keep duplicate (prompt, response) rows")

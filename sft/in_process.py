@@ -1,8 +1,10 @@
 """World-model SFT in the calling process (one rank, no torchrun): for tests and sweeps that chain stages.
 
-    from sft.in_process import train
-    checkpoint = train(["data.train_files=d/wm_train.parquet", "model.partial_pretrain=tiny",
-                        "trainer.default_local_dir=out", "trainer.device=cpu"])
+    from sft.in_process import train_on
+    checkpoint = train_on("data", "out", "tiny", ["trainer.device=cpu"])   # stage 1's output in data/
+
+`train_on` takes stage 2's overrides from the stage definition (SPA_agent/stages.py), as the scripts and the
+three-arm study do; `train` takes Hydra overrides as they are.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from omegaconf import DictConfig
 
 from sft.spa_sft_trainer import SftTrainer
 from SPA_agent.runs import checkpoints
+from SPA_agent.stages import sft_overrides
 
 CONFIG_DIR = Path(__file__).resolve().parent / "config"
 
@@ -42,3 +45,9 @@ def train(overrides: Sequence[str] = ()) -> Path:
     cfg = compose(overrides)
     run(cfg)
     return checkpoints.saved(cfg.trainer.default_local_dir)[-1][1]
+
+
+def train_on(data_dir: str | Path, save_dir: str | Path, model: str, overrides: Sequence[str] = ()) -> Path:
+    """`model` trained on stage 1's splits in `data_dir` into `save_dir`, one rank, to the end (`overrides` last);
+    returns the last `global_step_N` checkpoint directory."""
+    return train(sft_overrides(data_dir, save_dir, model, overrides=overrides))

@@ -18,8 +18,8 @@ from SPA_agent.rollout.turns import transitions
 from SPA_agent.runs.dir_lock import check_unlocked
 from SPA_agent.runs.run_identity import file_checksum
 from SPA_agent.selfplay.worldmodel import ACCURACY_KEYS, extract_states, has_worldmodel_format, turn_accuracy
+from SPA_agent.stages import CARD_FILE, SPLITS  # CARD_FILE: written last, marks a complete dataset
 
-CARD_FILE = "data_card.json"  # written last: its presence marks a complete dataset
 PARTIAL_DIR = ".partial"  # batch shards of an unfinished generation
 
 
@@ -47,7 +47,7 @@ def _recorded_rows(card: Mapping, name: str) -> int | None:
     """Rows of data file `name` by a card written before cards recorded their files (None when it does not say):
     stage 1's num_train/num_val, the filter script's kept rows, spa_arms' data without world model."""
     split = Path(name).stem
-    counts = {"wm_train": card.get("num_train"), "wm_val": card.get("num_val")}
+    counts = dict(zip(SPLITS, (card.get("num_train"), card.get("num_val")), strict=True))
     if isinstance(card.get("splits"), Mapping):
         counts |= {key: (value or {}).get("kept") for key, value in card["splits"].items()}
     if isinstance(card.get("rows"), Mapping):

@@ -37,11 +37,12 @@ from SPA_agent.selfplay.data_card import (
 )
 from SPA_agent.selfplay.data_variants import STATE_TARGETS, state_targets
 from SPA_agent.selfplay.worldmodel import has_worldmodel_format, substitute_states
+from SPA_agent.stages import DATA_FILES
+from SPA_agent.stages import SPLITS as DATA_SPLITS
 
-DATA_FILES = ("wm_train.parquet", "wm_val.parquet")
 # Unfinished runs keep batch shards in PARTIAL_DIR; the new dataset is staged in PARTIAL_DIR/final.
-OUTPUT_FILES = ("wm_train.parquet", "wm_val.parquet", "wm_train.csv", "wm_val.csv", "raw_trajectories.jsonl",
-                "config.yaml", "data_card.md", run_identity.IDENTITY_FILE, CARD_FILE)
+OUTPUT_FILES = (*DATA_FILES, *(f"{split}.csv" for split in DATA_SPLITS), "raw_trajectories.jsonl", "config.yaml",
+                "data_card.md", run_identity.IDENTITY_FILE, CARD_FILE)
 MESSAGE_TYPE = pa.struct([("content", pa.string()), ("role", pa.string())])
 SFT_SCHEMA = pa.schema([
     ("prompt", pa.list_(MESSAGE_TYPE)),
@@ -224,7 +225,7 @@ def write_outputs(cfg: DictConfig, out_dir: Path, shards: list[dict]) -> dict:
         if not train:
             raise ValueError(f"the format filter kept no training row of {num_rows_before_filter}: the model "
                              "never answered in the world-model format; pass data_gen.format_filter=false")
-    tables = {"wm_train": rows_table(train, "train", dg), "wm_val": rows_table(val, "test", dg)}
+    tables = dict(zip(DATA_SPLITS, (rows_table(train, "train", dg), rows_table(val, "test", dg)), strict=True))
     for name, table in tables.items():
         atomic_io.write_parquet(out_dir / f"{name}.parquet", table)
         if dg.write_csv:

@@ -1,6 +1,6 @@
-"""One experiment directory of the three-arm study: its paths, the jobs of each stage (processes running the same
-stage entry points as the pipeline scripts: SPA_agent.generate_sft_data, sft.spa_sft_trainer,
-SPA_agent.trainer.main_ppo, SPA_agent.evaluate) and the runner that starts them, skipping what is complete."""
+"""One experiment directory of the three-arm study: its paths, the jobs of each stage (processes running the
+commands of the pipeline's stage definition, SPA_agent/stages.py, with the study's settings) and the runner that
+starts them, skipping what is complete."""
 
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from SPA_agent import stages
 from SPA_agent.runs import atomic_io
-from SPA_agent.selfplay.data_card import CARD_FILE, describe_files
+from SPA_agent.selfplay.data_card import describe_files
 from SPA_agent.selfplay.data_variants import without_worldmodel_row
 from SPA_agent.spa_arms.settings import ARMS, Settings, StageError
 
-SPLITS = ("wm_train", "wm_val")
 #: what --from DIR links into --out
 LINKED = ("data", "data_nowm", "sft")
 #: the checkout this package belongs to: its processes import the same code (PYTHONPATH)
@@ -84,11 +84,9 @@ class Experiment:
 
     def data_job(self) -> Job:
         out = self.data_dir()
-        return Job("data", [sys.executable, "-m", "SPA_agent.generate_sft_data", "--config-name", self.s.config,
-                            f"model={self.s.model}", "generator=random", f"data_gen.num_batches={self.s.data_batches}",
-                            f"data_gen.output_dir={out}", "data_gen.resume=true",
-                            *self._overrides(self.s.data_overrides)],
-                   lambda: (out / CARD_FILE).is_file())
+        return Job("data", [sys.executable, *stages.data_command(
+            self.s.config, self.s.model, out, generator="random", batches=self.s.data_batches, resume=True,
+            overrides=self._overrides(self.s.data_overrides))], lambda: (out / stages.CARD_FILE).is_file())
 
     def sft_job(self, arm: str) -> Job:
         from SPA_agent.runs.checkpoints import saved
@@ -100,40 +98,38 @@ class Experiment:
             checkpoint = saved(out)[-1][1].relative_to(self.out)  # relative: the directory may move
             atomic_io.write_json(self.sft_marker(arm), {"checkpoint": str(checkpoint)})
 
-        return Job(f"sft-{arm}", [
-            sys.executable, "-m", "sft.spa_sft_trainer", f"data.train_files={data_dir / 'wm_train.parquet'}",
-            f"data.val_files={data_dir / 'wm_val.parquet'}", f"model.partial_pretrain={self.s.model}",
-            f"data.loss_target={loss_target}", f"optim.lr={self.s.sft_lr}", f"trainer.total_epochs={self.s.sft_epochs}",
-            "data.max_length=4096", f"trainer.save_freq={self.s.sft_save_freq}", "trainer.max_ckpt_to_keep=2",
-            f"trainer.default_local_dir={out}", f"trainer.experiment_name={arm}", "trainer.resume=auto",
-            *shlex.split(self.s.sft_overrides)], self.sft_marker(arm).is_file, record_checkpoint)
+        return Job(f"sft-{arm}", [sys.executable, *stages.sft_command(
+            data_dir, out, self.s.model,
+            settings=["data.max_length=4096", f"trainer.experiment_name={arm}", "trainer.resume=auto",
+                      f"data.loss_target={loss_target}", f"optim.lr={self.s.sft_lr}",
+                      f"trainer.total_epochs={self.s.sft_epochs}", f"trainer.save_freq={self.s.sft_save_freq}",
+                      "trainer.max_ckpt_to_keep=2"],
+            overrides=shlex.split(self.s.sft_overrides))], self.sft_marker(arm).is_file, record_checkpoint)
 
     def ppo_job(self, arm: str, checkpoint: Path | None = None) -> Job:
         checkpoint = checkpoint or self.sft_checkpoint(arm)
         if checkpoint is None:
             raise StageError(f"arm {arm} has no SFT checkpoint ({self.sft_marker(arm)}): run the sft stage first")
         g = self.s.val_groups
-        return Job(f"ppo-{arm}", [
-            sys.executable, "-m", "SPA_agent.trainer.main_ppo", "--config-name", self.s.config, f"model={self.s.model}",
-            f"model_path={checkpoint}", "trainer.backend=local", f"trainer.default_local_dir={self.ppo_dir(arm)}",
-            f"trainer.experiment_name={arm}", f"trainer.total_training_steps={self.s.ppo_steps}",
-            f"trainer.test_freq={self.s.test_freq}", f"trainer.save_freq={self.s.save_freq}",
-            "trainer.resume_mode=auto", "trainer.val_before_train=True", "trainer.validation_steps=1",
-            "trainer.max_actor_ckpt_to_keep=2", "trainer.max_critic_ckpt_to_keep=2",
-            f"es_manager.val.env_groups={g}", f"es_manager.val.group_size={self.s.val_group_size}",
-            f"es_manager.val.env_configs.n_groups=[{g}]", *self._overrides(self.s.ppo_overrides)],
-            lambda: self.ppo_done(arm))
+        return Job(f"ppo-{arm}", [sys.executable, *stages.ppo_command(
+            self.s.config, self.s.model, checkpoint, self.ppo_dir(arm), name=arm, steps=self.s.ppo_steps,
+            save_freq=self.s.save_freq, resume_mode="auto",
+            settings=["trainer.backend=local", f"trainer.test_freq={self.s.test_freq}",
+                      "trainer.val_before_train=True", "trainer.validation_steps=1", "trainer.max_actor_ckpt_to_keep=2",
+                      "trainer.max_critic_ckpt_to_keep=2", f"es_manager.val.env_groups={g}",
+                      f"es_manager.val.group_size={self.s.val_group_size}",
+                      f"es_manager.val.env_configs.n_groups=[{g}]"],
+            overrides=self._overrides(self.s.ppo_overrides))], lambda: self.ppo_done(arm))
 
     def wm_job(self, arm: str, which: str, model_path: Path) -> Job:
         """Evaluation of `model_path`; complete once eval.json holds that model (a PPO run continued to more
         steps is evaluated again; compared below the experiment directory, which may move)."""
         out, relative = self.eval_dir(arm, which), model_path.relative_to(self.out)
-        return Job(f"wm-{arm}-{which}", [
-            sys.executable, "-m", "SPA_agent.evaluate", "--config-name", self.s.config, f"model={self.s.model}",
-            f"model_path={model_path}", "evaluation.prompt_mode=add_worldmodel",
-            f"evaluation.num_puzzles={self.s.wm_puzzles}", "evaluation.n=1", "evaluation.k=[1]",
-            "evaluation.write_plots=false", f"evaluation.output_dir={out}", "evaluation.overwrite=true",
-            *self._overrides(self.s.eval_overrides)],
+        return Job(f"wm-{arm}-{which}", [sys.executable, *stages.evaluation_command(
+            self.s.config, self.s.model, model_path, out,
+            settings=["evaluation.prompt_mode=add_worldmodel", f"evaluation.num_puzzles={self.s.wm_puzzles}",
+                      "evaluation.n=1", "evaluation.k=[1]", "evaluation.write_plots=false"],
+            overrides=self._overrides(self.s.eval_overrides))],
             lambda: (result := read_eval(out)) is not None
             and Path(result["model_path"]).parts[-len(relative.parts):] == relative.parts)
 
@@ -155,7 +151,7 @@ class Experiment:
         source = self.source_dir()
         if source is None:
             return
-        needed = [source / "data" / CARD_FILE, source / "data_nowm" / CARD_FILE,
+        needed = [source / "data" / stages.CARD_FILE, source / "data_nowm" / stages.CARD_FILE,
                   *(source / "sft" / f"{arm}.json" for arm in self.s.arms)]
         missing = [str(path.relative_to(source)) for path in needed if not path.is_file()]
         if missing:
@@ -177,7 +173,8 @@ class Experiment:
         write_without_worldmodel(self.data_dir(), self.data_dir("nowm"), self.s)
 
     def stage_sft(self) -> None:
-        missing = sorted({ARMS[arm][0] for arm in self.s.arms if not (self.out / ARMS[arm][0] / CARD_FILE).is_file()})
+        missing = sorted({ARMS[arm][0] for arm in self.s.arms
+                          if not (self.out / ARMS[arm][0] / stages.CARD_FILE).is_file()})
         if missing:
             raise StageError(f"no complete dataset in {missing} under {self.out}: run the data stage first")
         run_jobs(self, [self.sft_job(arm) for arm in self.s.arms])
@@ -220,14 +217,14 @@ def read_eval(out: Path) -> dict | None:
 
 def write_without_worldmodel(source: Path, target: Path, settings: Settings) -> None:
     """DIR/data_nowm: every row of DIR/data as the base prompt mode shows it; the data card is written last."""
-    if (target / CARD_FILE).is_file():
+    if (target / stages.CARD_FILE).is_file():
         return
     from SPA_agent.config import compose
 
     envs = compose(settings.config, [f"model={settings.model}", *shlex.split(settings.overrides)]).custom_envs
     target.mkdir(parents=True, exist_ok=True)
     counts = {}
-    for split in SPLITS:
+    for split in stages.SPLITS:
         table = pq.read_table(source / f"{split}.parquet")
         rows = table.to_pylist()
         for row in rows:
@@ -236,10 +233,10 @@ def write_without_worldmodel(source: Path, target: Path, settings: Settings) -> 
                 row["prompt"], row["response"], env.env_instruction_add_worldmodel, env.env_instruction)
         atomic_io.write_parquet(target / f"{split}.parquet", pa.Table.from_pylist(rows, schema=table.schema))
         counts[split] = len(rows)
-    atomic_io.write_json(target / CARD_FILE, {
+    atomic_io.write_json(target / stages.CARD_FILE, {
         "stage": "world-model rows without world model (SPA_agent.selfplay.data_variants.without_worldmodel_row)",
-        "source": source.name, "rows": counts, "files": describe_files(target, [f"{split}.parquet" for split in SPLITS]),
-        "source_card": json.loads((source / CARD_FILE).read_text(encoding="utf-8"))})
+        "source": source.name, "rows": counts, "files": describe_files(target, list(stages.DATA_FILES)),
+        "source_card": json.loads((source / stages.CARD_FILE).read_text(encoding="utf-8"))})
     print(f"data without world model written to {target} ({counts})", flush=True)
 
 
@@ -251,7 +248,7 @@ def run_jobs(exp: Experiment, jobs: list[Job], limit: int | None = None) -> None
         if job not in pending:
             print(f"{job.name}: complete, skipped", flush=True)
     exp.logs.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONHASHSEED": "10000",
+    env = {**os.environ, "PYTHONHASHSEED": stages.HASH_SEED,
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     devices, started = [d for d in exp.s.devices.split(",") if d.strip()], 0
     running: dict[str, tuple[Job, subprocess.Popen]] = {}
