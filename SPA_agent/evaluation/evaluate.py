@@ -31,7 +31,7 @@ from SPA_agent.evaluation.passk import pass_any, passk_summary
 from SPA_agent.generators import ACTION_SOURCES, check_env_types
 from SPA_agent.generators.base import FINISH_ERROR, Generation, Prompt
 from SPA_agent.rollout.parsing import MODES as PROMPT_MODES
-from SPA_agent.rollout.turns import rendered_states, turns
+from SPA_agent.rollout.turns import EnvRecord, rendered_states, turns
 from SPA_agent.runs import atomic_io
 from SPA_agent.runs.dir_lock import DirLock, check_unlocked, check_writable
 from SPA_agent.selfplay.worldmodel import worldmodel_accuracy
@@ -112,28 +112,28 @@ class ErrorTolerantGenerator:
         self.failed_positions.append([i for i, g in enumerate(generations) if g.finish_reason == FINISH_ERROR])
         return generations
 
-    def failed_env_ids(self, states: list[Mapping], first_call: int) -> set[int]:
+    def failed_env_ids(self, states: list[EnvRecord], first_call: int) -> set[int]:
         """Env ids with a failed request among the calls since `first_call`. Call t prompts the envs that took
         a turn t, in env-id order (the proxy steps the active envs in order)."""
         failed = set()
         for turn, positions in enumerate(self.failed_positions[first_call:]):
-            active = sorted(s["env_id"] for s in states if len(turns(s["history"])) > turn)
+            active = sorted(s.env_id for s in states if len(turns(s.history)) > turn)
             failed.update(active[p] for p in positions)
         return failed
 
 
-def trajectory_record(proxy, state: Mapping, repeat: int, failed: bool) -> dict:
+def trajectory_record(proxy, state: EnvRecord, repeat: int, failed: bool) -> dict:
     """What trajectories.jsonl stores for one episode."""
-    taken = turns(state["history"])
+    taken = turns(state.history)
     return {
-        "repeat": repeat, "env_id": state["env_id"], "group_id": state["group_id"], "tag": state["tag"],
-        "seed": int(state["seed"]), "success": state["metrics"][f"{state['tag']}/success"] > 0,
+        "repeat": repeat, "env_id": state.env_id, "group_id": state.group_id, "tag": state.tag,
+        "seed": int(state.seed), "success": state.metrics[f"{state.tag}/success"] > 0,
         "failed_request": failed, "messages": proxy.messages(state, normalized=False),
         "actions": [turn.actions for turn in taken],
         "rewards": [turn.reward for turn in taken],
-        "true_states": rendered_states(state["history"]),
+        "true_states": rendered_states(state.history),
         "response_tokens": sum(len(turn.response_ids or []) for turn in taken),
-        "metrics": state["metrics"],
+        "metrics": state.metrics,
     }
 
 
@@ -158,7 +158,7 @@ def tag_metrics(records: list[dict], ks: list[int], cfg: DictConfig) -> dict[str
     return metrics
 
 
-def summarize(cfg: DictConfig, records: list[dict], states: list[Mapping], error: str | None) -> dict:
+def summarize(cfg: DictConfig, records: list[dict], states: list[EnvRecord], error: str | None) -> dict:
     """eval.json contents: metrics per tag (+ world-model accuracy), per-puzzle counts, status and config."""
     ev = cfg.evaluation
     usable = [r for r in records if not r["failed_request"]]
@@ -198,7 +198,7 @@ def run_repeats(cfg: DictConfig, proxy, generator: ErrorTolerantGenerator) -> tu
             error = f"repeat {repeat}: {type(err).__name__}: {err}"
             break
         failed = generator.failed_env_ids(rollout.states, first_call)
-        records += [trajectory_record(proxy, s, repeat, s["env_id"] in failed) for s in rollout.states]
+        records += [trajectory_record(proxy, s, repeat, s.env_id in failed) for s in rollout.states]
         states += rollout.states
         if generator.down is not None:
             error = f"repeat {repeat}: every request of a turn failed: {generator.down}"

@@ -15,6 +15,7 @@ from verl import DataProto
 from SPA_agent.generators.base import FINISH_STOP, Generator, Prompt
 from SPA_agent.rollout.ctx_manager import ContextManager
 from SPA_agent.rollout.es_manager import EnvStateManager, check_env_groups
+from SPA_agent.rollout.turns import EnvCache, EnvRecord
 from SPA_agent.runs.progress import progress_bar
 
 
@@ -23,7 +24,7 @@ class Rollout:
     """One rollout: the training batch (docs/interfaces.md) and the per-env records with full histories."""
 
     batch: DataProto
-    states: list[dict]
+    states: list[EnvRecord]
 
     @property
     def metrics(self) -> dict[str, float]:
@@ -72,19 +73,19 @@ class LLMAgentProxy:
         batch = DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info={"metrics": metrics})
         return Rollout(batch=batch, states=states)
 
-    def _prompts(self, es: EnvStateManager, caches: list[dict]) -> list[Prompt]:
+    def _prompts(self, es: EnvStateManager, caches: list[EnvCache]) -> list[Prompt]:
         """One prompt per active env; a copy of the env goes with it only to generators that declare
         `needs_env = True` (the solver), so a model generator never sees the true state."""
         worldmodel = self.ctx.mode == "add_worldmodel"
         needs_env = bool(getattr(self.generator, "needs_env", False))
         return [
             Prompt(messages=messages, prompt_ids=ids, response_prefix=self.ctx.prefix,
-                   action_space=es.action_space(cache["env_id"]), worldmodel=worldmodel,
-                   env=es.env_snapshot(cache["env_id"]) if needs_env else None)
+                   action_space=es.action_space(cache.env_id), worldmodel=worldmodel,
+                   env=es.env_snapshot(cache.env_id) if needs_env else None)
             for cache, (messages, ids) in zip(caches, self.ctx.get_lm_inputs(caches))
         ]
 
-    def messages(self, state: Mapping, normalized: bool = True) -> list[dict]:
+    def messages(self, state: EnvRecord, normalized: bool = True) -> list[dict]:
         """The chat of one finished trajectory (see ContextManager.messages)."""
         return self.ctx.messages(state, normalized=normalized, for_update=True)
 

@@ -18,7 +18,7 @@ from SPA_agent.rollout.chat_tokens import SAMPLED, SYSTEM, AssistantTurn, ChatTo
 from SPA_agent.rollout.es_manager import EnvInput
 from SPA_agent.rollout.parsing import MODES, parse_response, response_format
 from SPA_agent.rollout.rewards import normalize_scores, turn_ends
-from SPA_agent.rollout.turns import Turn, read_entry, turns
+from SPA_agent.rollout.turns import EnvCache, EnvRecord, Turn, read_entry, turns
 
 SYSTEM_PROMPT = "You're a helpful assistant. "
 
@@ -73,15 +73,15 @@ class ContextManager:
             )
         return text
 
-    def messages(self, cache: Mapping, normalized: bool = True, for_update: bool = False) -> list[dict]:
-        """Chat messages of one trajectory (spec §6.2). Assistant contents are the normalized responses
-        (`normalized=True`, the view written to SFT data) or the raw ones the model actually produced."""
-        max_tokens = self.config["custom_envs"][cache["tag"]].get("max_tokens", 100)
-        history = [read_entry(entry) for entry in cache["history"]]
+    def messages(self, cache: EnvCache | EnvRecord, normalized: bool = True, for_update: bool = False) -> list[dict]:
+        """Chat messages of one trajectory, running or finished (spec §6.2). Assistant contents are the normalized
+        responses (`normalized=True`, the view written to SFT data) or the raw ones the model actually produced."""
+        max_tokens = self.config["custom_envs"][cache.tag].get("max_tokens", 100)
+        history = [read_entry(entry) for entry in cache.history]
         if for_update and not isinstance(history[-1], Turn):
             history = history[:-1]
         messages = [{"role": "system", "content": SYSTEM_PROMPT},
-                    {"role": "user", "content": self.instruction(cache["tag"])}]
+                    {"role": "user", "content": self.instruction(cache.tag)}]
         for idx, entry in enumerate(history):
             messages[-1]["content"] += (
                 f"\nTurn {idx + 1}:\nState:\n{entry.state}\nYou have {entry.actions_left} actions left. "
@@ -95,10 +95,10 @@ class ContextManager:
                     messages.append({"role": "user", "content": f"Reward:\n{entry.reward}\n"})
         return messages
 
-    def _assistant_turns(self, cache: Mapping) -> list[AssistantTurn]:
-        return [AssistantTurn(self.prefix, turn.response_ids) for turn in turns(cache["history"])]
+    def _assistant_turns(self, cache: EnvCache | EnvRecord) -> list[AssistantTurn]:
+        return [AssistantTurn(self.prefix, turn.response_ids) for turn in turns(cache.history)]
 
-    def get_lm_inputs(self, caches: list[Mapping]) -> list[tuple[list[dict], list[int]]]:
+    def get_lm_inputs(self, caches: list[EnvCache]) -> list[tuple[list[dict], list[int]]]:
         """(messages, prompt ids) for the next turn of each env; the ids end with the forced prefix."""
         inputs = []
         for cache in caches:
@@ -108,7 +108,7 @@ class ContextManager:
         return inputs
 
     # --- responses ----------------------------------------------------------------------------------
-    def get_env_inputs(self, caches: list[Mapping], texts: list[str], ids: list[list[int] | None],
+    def get_env_inputs(self, caches: list[EnvCache], texts: list[str], ids: list[list[int] | None],
                        finished: list[bool]) -> list[EnvInput]:
         """Parse each generated continuation (forced prefix prepended) into an EnvInput (spec §6.4).
         Generators without token ids (api, random) get their text tokenized, plus end-of-turn if finished."""
@@ -119,17 +119,17 @@ class ContextManager:
             raw = self.prefix + text
             parsed = parse_response(raw, self.mode, self.action_sep, self.max_actions_per_turn, self.enable_think)
             env_inputs.append(EnvInput(
-                env_id=cache["env_id"], actions=parsed.actions, llm_response=parsed.normalized,
+                env_id=cache.env_id, actions=parsed.actions, llm_response=parsed.normalized,
                 llm_raw_response=raw, format_ok=parsed.format_ok, parsed=parsed.as_dict(),
                 response_ids=list(token_ids),
             ))
         return env_inputs
 
     # --- training batch -----------------------------------------------------------------------------
-    def get_masks_and_scores(self, caches: list[Mapping]) -> dict[str, torch.Tensor]:
+    def get_masks_and_scores(self, records: list[EnvRecord]) -> dict[str, torch.Tensor]:
         """Left-padded tensors of every trajectory (docs/interfaces.md, "One rollout"); (B, T) and (B, T-1)."""
-        rows = [self.chat.build(self.messages(c, normalized=False, for_update=True), self._assistant_turns(c))
-                for c in caches]
+        rows = [self.chat.build(self.messages(r, normalized=False, for_update=True), self._assistant_turns(r))
+                for r in records]
         T = max(len(ids) for ids, _ in rows)
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         input_ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
@@ -142,69 +142,69 @@ class ContextManager:
         response_mask = (roles[:, 1:] == SAMPLED).float()
         after_system = (roles[:, 1:] > SYSTEM).float()
         loss_mask = response_mask if self.enable_response_mask else after_system
-        scores = self._scores(caches, roles, loss_mask)
+        scores = self._scores(records, roles, loss_mask)
         return {
             "input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
             "responses": input_ids[:, 1:], "response_mask": response_mask, "loss_mask": loss_mask,
             "rm_scores": scores,
         }
 
-    def _scores(self, caches: list[Mapping], roles: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    def _scores(self, records: list[EnvRecord], roles: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
         """Token-level scores (B, T-1): the normalized, penalized return on the last loss-mask column, or
         with `use_turn_scores` each turn's reward on that turn's last sampled token (spec §6.5–§6.6)."""
         scores = torch.zeros_like(loss_mask)
         if self.use_turn_scores:
-            for i, cache in enumerate(caches):
-                rewards = [turn.reward for turn in turns(cache["history"])]
+            for i, record in enumerate(records):
+                rewards = [turn.reward for turn in turns(record.history)]
                 ends = turn_ends(roles[i : i + 1, 1:] == SAMPLED)[0].nonzero().flatten().tolist()
                 for reward, end in zip(rewards, ends):
                     scores[i, end] = float(reward)
                 if ends:
-                    scores[i, ends[-1]] += cache["penalty"]
+                    scores[i, ends[-1]] += record.penalty
             return scores
-        returns = torch.tensor([sum(turn.reward for turn in turns(c["history"])) + c["penalty"] for c in caches])
-        normalized = normalize_scores(returns, self._group_keys(caches), self.normalization["method"])
+        returns = torch.tensor([sum(turn.reward for turn in turns(r.history)) + r.penalty for r in records])
+        normalized = normalize_scores(returns, self._group_keys(records), self.normalization["method"])
         last = (loss_mask.shape[1] - 1) - loss_mask.flip(-1).argmax(-1)
-        scores[torch.arange(len(caches)), last] = normalized.to(scores.dtype)
+        scores[torch.arange(len(records)), last] = normalized.to(scores.dtype)
         return scores
 
-    def _group_keys(self, caches: list[Mapping]) -> list:
+    def _group_keys(self, records: list[EnvRecord]) -> list:
         grouping = self.normalization["grouping"]
         if grouping == "state":
-            return [c["group_id"] for c in caches]
+            return [r.group_id for r in records]
         if grouping == "inductive":
-            return [c["tag"] for c in caches]
+            return [r.tag for r in records]
         if grouping == "batch":
-            return [0] * len(caches)
+            return [0] * len(records)
         raise ValueError(f"reward_normalization.grouping must be state, inductive or batch, got {grouping!r}")
 
-    def formulate_rollouts(self, caches: list[Mapping]) -> tuple[dict, dict, dict]:
+    def formulate_rollouts(self, records: list[EnvRecord]) -> tuple[dict, dict, dict]:
         """(tensors, non-tensors, metrics) of a finished rollout."""
-        tensors = self.get_masks_and_scores(caches)
+        tensors = self.get_masks_and_scores(records)
         non_tensors = {
-            "env_ids": np.array([c["env_id"] for c in caches]),
-            "group_ids": np.array([c["group_id"] for c in caches]),
-            "tags": object_array([c["tag"] for c in caches]),
-            "seeds": np.array([c["seed"] for c in caches]),
-            "messages_list": object_array([self.messages(c) for c in caches]),
-            "turn_states": object_array([turn_states(c) for c in caches]),
-            "turn_rewards": object_array([turn_rewards(c) for c in caches]),
+            "env_ids": np.array([r.env_id for r in records]),
+            "group_ids": np.array([r.group_id for r in records]),
+            "tags": object_array([r.tag for r in records]),
+            "seeds": np.array([r.seed for r in records]),
+            "messages_list": object_array([self.messages(r) for r in records]),
+            "turn_states": object_array([turn_states(r) for r in records]),
+            "turn_rewards": object_array([turn_rewards(r) for r in records]),
         }
-        metrics = aggregate_metrics([c["metrics"] for c in caches])
+        metrics = aggregate_metrics([r.metrics for r in records])
         metrics["response_length"] = float(tensors["response_mask"].sum(-1).mean())
         return tensors, non_tensors, metrics
 
 
-def turn_states(cache: Mapping) -> list[str]:
+def turn_states(record: EnvRecord) -> list[str]:
     """The environment's render before each turn the model took (GiGPO's anchor states)."""
-    return [turn.state for turn in turns(cache["history"])]
+    return [turn.state for turn in turns(record.history)]
 
 
-def turn_rewards(cache: Mapping) -> list[float]:
+def turn_rewards(record: EnvRecord) -> list[float]:
     """The environment reward of each turn the model took, the format penalty added to the last one."""
-    rewards = [float(turn.reward) for turn in turns(cache["history"])]
+    rewards = [float(turn.reward) for turn in turns(record.history)]
     if rewards:
-        rewards[-1] += cache["penalty"]
+        rewards[-1] += record.penalty
     return rewards
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from SPA_agent.config import close_matches
 from SPA_agent.envs import make_env
-from SPA_agent.rollout.turns import Observation, Turn, as_entry, read_entry
+from SPA_agent.rollout.turns import EnvCache, EnvRecord, Observation, Turn, as_entry, read_entry
 
 
 @dataclass
@@ -87,7 +87,7 @@ class EnvStateManager:
         self.seed_counter = 0
         check_env_groups(config, split)
         self.entries = self._build_entries(config["custom_envs"], es_cfg["env_configs"])
-        self.cache: list[dict] = []
+        self.cache: list[EnvCache] = []
 
     def _build_entries(self, custom_envs: Mapping, env_configs: Mapping) -> list[EnvEntry]:
         entries, env_id = [], 0
@@ -122,7 +122,7 @@ class EnvStateManager:
         self.seed_counter = int(state["seed_counter"])
 
     # --- episodes ---------------------------------------------------------------------------------
-    def reset(self, seed: int | None = None) -> list[dict]:
+    def reset(self, seed: int | None = None) -> list[EnvCache]:
         """Reset every env (one room generation per group; members are copies) and start a new cache."""
         first_seed = self.next_seed(seed)
         group_template: dict[int, Any] = {}
@@ -136,8 +136,8 @@ class EnvStateManager:
             entry.num_actions, entry.terminated, entry.truncated = 0, False, False
             entry.rewards, entry.infos = [], []
         self.cache = [
-            {"env_id": e.env_id, "group_id": e.group_id, "tag": e.tag, "seed": e.seed, "penalty": 0.0,
-             "history": [as_entry(Observation(e.env.render(), e.max_actions_per_traj))]}
+            EnvCache(e.env_id, e.group_id, e.tag, e.seed, penalty=0.0,
+                     history=[as_entry(Observation(e.env.render(), e.max_actions_per_traj))])
             for e in self.entries
         ]
         return self.cache
@@ -149,7 +149,7 @@ class EnvStateManager:
         """A copy of env `env_id` in its current state (for expert generators: stepping it changes nothing here)."""
         return copy.deepcopy(self.entries[env_id].env)
 
-    def step(self, env_inputs: list[EnvInput]) -> list[dict]:
+    def step(self, env_inputs: list[EnvInput]) -> list[EnvCache]:
         """Execute each env's parsed actions (spec §5.4); returns the cache entries still active."""
         for env_input in env_inputs:
             entry = self.entries[env_input.env_id]
@@ -171,7 +171,7 @@ class EnvStateManager:
             if done:
                 break
         if not env_input.format_ok or not valid or len(valid) != len(env_input.actions):
-            cache["penalty"] += self.format_penalty
+            cache.penalty += self.format_penalty
         entry.num_actions += len(executed)
         entry.rewards.append(reward)
         entry.infos.append(info)
@@ -179,13 +179,13 @@ class EnvStateManager:
             entry.terminated, entry.truncated = True, not info.get("success", False)
         elif entry.num_actions >= entry.max_actions_per_traj:
             entry.terminated, entry.truncated = True, True
-        shown = read_entry(cache["history"][-1])
-        cache["history"][-1].update(as_entry(Turn(
+        shown = read_entry(cache.history[-1])
+        cache.history[-1].update(as_entry(Turn(
             shown.state, shown.actions_left, actions=executed, reward=reward, info=info,
             llm_response=env_input.llm_response, llm_raw_response=env_input.llm_raw_response,
             parsed=env_input.parsed, response_ids=env_input.response_ids,
         )))
-        cache["history"].append(
+        cache.history.append(
             as_entry(Observation(entry.env.render(), entry.max_actions_per_traj - entry.num_actions))
         )
 
@@ -198,15 +198,15 @@ class EnvStateManager:
         return [(a, ids_by_name[a.lower()]) for a in actions if a.lower() in ids_by_name]
 
     # --- results ----------------------------------------------------------------------------------
-    def get_rollout_states(self) -> list[dict]:
-        """The cache with per-env `metrics` (spec §5.5), including `<Tag>/pass@<group_size>`."""
+    def get_rollout_states(self) -> list[EnvRecord]:
+        """The finished record of every env: its cache with its `metrics` (spec §5.5), `<Tag>/pass@<group_size>`
+        included."""
         group_success: dict[tuple[str, int], bool] = {}
         for entry in self.entries:
             key = (entry.tag, entry.group_id)
             group_success[key] = group_success.get(key, False) or self._success(entry)
-        for entry, cache in zip(self.entries, self.cache):
-            cache["metrics"] = self._env_metrics(entry, group_success[(entry.tag, entry.group_id)])
-        return self.cache
+        return [EnvRecord.finished(cache, self._env_metrics(entry, group_success[(entry.tag, entry.group_id)]))
+                for entry, cache in zip(self.entries, self.cache)]
 
     @staticmethod
     def _success(entry: EnvEntry) -> bool:

@@ -1,4 +1,10 @@
-"""Typed views of an env's rollout history (`Rollout.states[i]["history"]`, docs/interfaces.md).
+"""The rollout's records: one per env (`EnvCache` while the rollout runs, `EnvRecord` once it is finished) and
+typed views of the env's history entries (`Observation`, `Turn`); docs/interfaces.md, "One rollout".
+
+The env-state manager owns one `EnvCache` per env and updates it every turn (the format penalty, the history); the
+context manager reads it to build the next prompt. When the rollout's states are collected
+(`EnvStateManager.get_rollout_states`) each cache becomes a frozen `EnvRecord` with the env's metrics: what
+`Rollout.states` holds and every later reader (trainer, self-play, evaluation) takes.
 
 The history itself stays a list of plain dicts: the env-state manager writes them and they are what callers
 hold and copy. Readers go through `read_entry` instead of testing for keys: an entry is either an
@@ -66,3 +72,37 @@ def transitions(history: Sequence[Mapping]) -> list[tuple[Turn, str]]:
     """Each turn with the render after it: `history[t]["state"]` / `history[t+1]["state"]` bracket turn t."""
     entries = [read_entry(entry) for entry in history]
     return [(entry, after.state) for entry, after in zip(entries, entries[1:]) if isinstance(entry, Turn)]
+
+
+@dataclass
+class EnvCache:
+    """One env's rollout while it runs: the env-state manager's cache entry, updated every turn."""
+
+    env_id: int
+    group_id: int  # envs of one group start from the same puzzle (spec §5.2)
+    tag: str  # the env's entry in custom_envs, e.g. "SimpleSokoban"
+    seed: int  # the seed the env was reset with
+    penalty: float  # the format penalty summed over the turns so far (spec §5.4)
+    history: list[dict]  # the entries so far (read with read_entry), the latest observation last
+
+
+@dataclass(frozen=True)
+class EnvRecord:
+    """One env's finished rollout (`Rollout.states[i]`, spec §5.3), built once from its `EnvCache`.
+
+    The history is the cache's list of entries, not a copy; the env-state manager starts new ones at reset, so
+    nothing changes them once the record is built.
+    """
+
+    env_id: int
+    group_id: int
+    tag: str
+    seed: int
+    penalty: float  # the format penalty of the whole trajectory
+    metrics: dict[str, float]  # `<Tag>/<name>` of this env (spec §5.5), `<Tag>/pass@<group_size>` included
+    history: list[dict]  # every entry: the turns taken, then the final observation
+
+    @classmethod
+    def finished(cls, cache: EnvCache, metrics: dict[str, float]) -> EnvRecord:
+        """The record of `cache` once its rollout is over."""
+        return cls(cache.env_id, cache.group_id, cache.tag, cache.seed, cache.penalty, metrics, cache.history)

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 from omegaconf import DictConfig
 
 from SPA_agent.generators import ACTION_SOURCES
-from SPA_agent.rollout.turns import transitions
+from SPA_agent.rollout.turns import EnvRecord, transitions
 from SPA_agent.runs.dir_lock import check_unlocked
 from SPA_agent.runs.run_identity import file_checksum
 from SPA_agent.selfplay.worldmodel import ACCURACY_KEYS, extract_states, has_worldmodel_format, turn_accuracy
@@ -180,15 +180,15 @@ class BatchStats:
         }
 
 
-def trajectory_stats(states: list[Mapping]) -> BatchStats:
+def trajectory_stats(states: list[EnvRecord]) -> BatchStats:
     """Stats of one rollout's states (`Rollout.states`); self-belief is scored on the normalized responses."""
     stats = BatchStats()
     for record in states:
         stats.trajectories += 1
-        stats.successes += int(record["metrics"][f"{record['tag']}/success"] > 0)
-        stats.seeds = sorted(set(stats.seeds) | {int(record["seed"])})
-        stats.tags = sorted(set(stats.tags) | {record["tag"]})
-        for turn, after in transitions(record["history"]):
+        stats.successes += int(record.metrics[f"{record.tag}/success"] > 0)
+        stats.seeds = sorted(set(stats.seeds) | {int(record.seed)})
+        stats.tags = sorted(set(stats.tags) | {record.tag})
+        for turn, after in transitions(record.history):
             stats.add_turn(turn.llm_response, turn.format_ok, turn.state, after)
     return stats
 

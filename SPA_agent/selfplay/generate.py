@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from SPA_agent.entry import check_choice, check_number, load_tokenizer, model_load_errors, prepare_config
 from SPA_agent.rollout.parsing import MODES as PROMPT_MODES
-from SPA_agent.rollout.turns import rendered_states, turns
+from SPA_agent.rollout.turns import EnvRecord, rendered_states, turns
 from SPA_agent.runs import atomic_io, run_identity
 from SPA_agent.runs.dir_lock import DirLock, check_unlocked, check_writable
 from SPA_agent.runs.progress import progress_bar
@@ -73,7 +73,7 @@ def substitute_trajectory(messages: list[dict], true_states: list[str]) -> tuple
     return out, tagged
 
 
-def trajectory_rows(messages: list[dict], record: Mapping, trajectory_id: int, data_source: str) -> list[dict]:
+def trajectory_rows(messages: list[dict], record: EnvRecord, trajectory_id: int, data_source: str) -> list[dict]:
     """One row per assistant message: the chat before it (substituted) and the message itself."""
     rows, turn = [], 0
     for i, message in enumerate(messages):
@@ -82,29 +82,29 @@ def trajectory_rows(messages: list[dict], record: Mapping, trajectory_id: int, d
         rows.append({
             "prompt": [dict(m) for m in messages[:i]], "response": message["content"],
             "data_source": data_source, "trajectory_id": trajectory_id, "turn": turn,
-            "seed": int(record["seed"]), "env_tag": record["tag"],
+            "seed": int(record.seed), "env_tag": record.tag,
         })
         turn += 1
     return rows
 
 
-def rollout_records(proxy, states: list[Mapping], first_id: int, env_types: Mapping[str, str],
+def rollout_records(proxy, states: list[EnvRecord], first_id: int, env_types: Mapping[str, str],
                     targets: str = "ground_truth", seed: int = 0) -> tuple[list, list]:
     """Rows and raw trajectory records of one rollout; trajectory ids start at `first_id`. `targets` picks the
     states written into the model's blocks (data_variants.STATE_TARGETS; random draws seeded per trajectory)."""
     rows, trajectories = [], []
     for offset, record in enumerate(states):
-        true_states, taken = rendered_states(record["history"]), turns(record["history"])
+        true_states, taken = rendered_states(record.history), turns(record.history)
         raw_messages = proxy.messages(record, normalized=True)
         written = state_targets(true_states, targets, np.random.default_rng([seed, first_id + offset]))
         messages = raw_messages if written is None else substitute_trajectory(raw_messages, written)[0]
-        rows += trajectory_rows(messages, record, first_id + offset, env_types[record["tag"]])
+        rows += trajectory_rows(messages, record, first_id + offset, env_types[record.tag])
         trajectories.append({
-            "trajectory_id": first_id + offset, "tag": record["tag"], "seed": int(record["seed"]),
+            "trajectory_id": first_id + offset, "tag": record.tag, "seed": int(record.seed),
             "messages": raw_messages, "true_states": true_states,
             "actions": [turn.actions for turn in taken],
             "rewards": [turn.reward for turn in taken],
-            "success": record["metrics"][f"{record['tag']}/success"],
+            "success": record.metrics[f"{record.tag}/success"],
         })
     return rows, trajectories
 

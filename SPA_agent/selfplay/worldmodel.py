@@ -18,7 +18,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from SPA_agent.rollout.turns import transitions
+from SPA_agent.rollout.turns import EnvRecord, transitions
 
 OBSERVATION_TAGS = ("<observation>", "</observation>")
 PREDICTION_TAGS = ("<prediction>", "</prediction>")
@@ -194,7 +194,7 @@ def trajectory_turns(history: Sequence[Mapping]) -> Iterable[tuple[str, str, str
         yield turn.llm_raw_response, turn.state, after
 
 
-def worldmodel_accuracy(states: Sequence[Mapping], prefix: str = "") -> dict[str, float]:
+def worldmodel_accuracy(states: Sequence[EnvRecord], prefix: str = "") -> dict[str, float]:
     """World-model metrics over the rollout states of one rollout (`Rollout.states`), per env tag.
 
     For each tag: `<prefix><Tag>/worldmodel/<key>` = mean over the turns whose response has a state block
@@ -203,8 +203,8 @@ def worldmodel_accuracy(states: Sequence[Mapping], prefix: str = "") -> dict[str
     """
     sums: dict[str, dict[str, list[float]]] = {}
     for record in states:
-        per_tag = sums.setdefault(record["tag"], {key: [] for key in (*ACCURACY_KEYS, "format_rate")})
-        for response, before, after in trajectory_turns(record["history"]):
+        per_tag = sums.setdefault(record.tag, {key: [] for key in (*ACCURACY_KEYS, "format_rate")})
+        for response, before, after in trajectory_turns(record.history):
             scores = turn_accuracy(response, before, after)
             per_tag["format_rate"].append(float(scores is not None))
             for key, value in (scores or {}).items():

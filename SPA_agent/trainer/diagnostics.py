@@ -15,7 +15,7 @@ Batch diagnostics (the filtered training batch, from the old-log-prob pass), log
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 import torch
@@ -24,7 +24,7 @@ from verl import DataProto
 from verl.trainer.ppo import core_algos
 from verl.utils import torch_functional as verl_F
 
-from SPA_agent.rollout.turns import turns
+from SPA_agent.rollout.turns import EnvRecord, turns
 from SPA_agent.trainer import input_dependence as dep
 from SPA_agent.trainer.token_spans import SPANS, SpanLabeler, token_decoder
 
@@ -63,11 +63,11 @@ def distinct_ratios(responses: Sequence[Hashable], group_ids: Sequence[int]) -> 
             "diag/distinct_batch": len(set(responses)) / len(responses)}
 
 
-def rollout_diagnostics(states: Sequence[Mapping]) -> dict[str, float]:
+def rollout_diagnostics(states: Sequence[EnvRecord]) -> dict[str, float]:
     """Format-valid rate and distinct ratios of a finished rollout (`Rollout.states`, one record per env)."""
-    per_state = [turns(state["history"]) for state in states]
+    per_state = [turns(state.history) for state in states]
     responses = [tuple(tuple(turn.response_ids) for turn in taken) for taken in per_state]
-    metrics = distinct_ratios(responses, [s["group_id"] for s in states])
+    metrics = distinct_ratios(responses, [s.group_id for s in states])
     format_ok = [turn.format_ok for taken in per_state for turn in taken]
     if format_ok:
         metrics["diag/format_valid"] = float(np.mean(format_ok))

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from SPA_agent.rollout.turns import Observation, Turn, as_entry
+from SPA_agent.rollout.turns import EnvRecord, Observation, Turn, as_entry
 from SPA_agent.selfplay.worldmodel import (
     extract_states,
     parse_state,
@@ -106,7 +106,8 @@ def test_worldmodel_accuracy_aggregates_per_tag():
         turn(SOKOBAN_S1, "<answer>Up</answer>"),
         as_entry(Observation(SOKOBAN_S1, 8)),
     ]
-    metrics = worldmodel_accuracy([{"tag": "SimpleSokoban", "history": history}], prefix="val-env/")
+    record = EnvRecord(env_id=0, group_id=0, tag="SimpleSokoban", seed=0, penalty=0.0, metrics={}, history=history)
+    metrics = worldmodel_accuracy([record], prefix="val-env/")
     assert metrics["val-env/SimpleSokoban/worldmodel/format_rate"] == 0.5
     assert metrics["val-env/SimpleSokoban/worldmodel/observation_exact"] == 1.0
     assert metrics["val-env/SimpleSokoban/worldmodel/prediction_coords"] == 1.0

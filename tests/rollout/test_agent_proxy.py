@@ -39,7 +39,7 @@ def test_sampled_positions_hold_exactly_the_generated_tokens(tiny_config, tiny_t
     rollout = _proxy(cfg, tiny_tokenizer, tiny_dir).rollout(val=False)
     batch = rollout.batch.batch
     for row, state in enumerate(rollout.states):
-        sampled = [i for e in state["history"] if "response_ids" in e for i in e["response_ids"]]
+        sampled = [i for e in state.history if "response_ids" in e for i in e["response_ids"]]
         got = batch["responses"][row][batch["response_mask"][row].bool()].tolist()
         assert got == sampled
 
@@ -49,7 +49,7 @@ def test_score_is_the_return_plus_penalty_on_the_last_sampled_token(tiny_config,
     rollout = _proxy(cfg, tiny_tokenizer, tiny_dir).rollout(val=False)
     batch = rollout.batch.batch
     for row, state in enumerate(rollout.states):
-        expected = sum(e.get("reward", 0.0) for e in state["history"]) + state["penalty"]
+        expected = sum(e.get("reward", 0.0) for e in state.history) + state.penalty
         last = batch["response_mask"][row].nonzero().max().item()
         assert batch["rm_scores"][row, last].item() == pytest.approx(expected)
 
@@ -83,9 +83,9 @@ def test_tiny_model_rollout_reuses_sampled_ids(tiny_config, tiny_tokenizer, tiny
     rollout = _proxy(cfg, tiny_tokenizer, tiny_dir).rollout(val=False)
     batch = rollout.batch.batch
     for row, state in enumerate(rollout.states):
-        sampled = [i for e in state["history"] if "response_ids" in e for i in e["response_ids"]]
+        sampled = [i for e in state.history if "response_ids" in e for i in e["response_ids"]]
         assert batch["responses"][row][batch["response_mask"][row].bool()].tolist() == sampled
-        assert 1 <= len(state["history"]) - 1 <= 2
+        assert 1 <= len(state.history) - 1 <= 2
 
 
 def test_unknown_env_tag_is_a_clear_error_before_any_env_is_built(tiny_config, tiny_tokenizer, tiny_dir):

@@ -5,14 +5,15 @@ import pytest
 import torch
 
 from SPA_agent.rollout.ctx_manager import ContextManager
+from SPA_agent.rollout.turns import EnvRecord
 
 
 def _trajectory(tok):
     enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]
     turn1, turn2 = enc("a</think><answer>Up</answer>") + [tok.eos_token_id], enc("b</think><answer>Left")
-    return {
-        "env_id": 0, "group_id": 0, "tag": "SimpleSokoban", "seed": 123, "penalty": -0.1,
-        "history": [
+    return EnvRecord(
+        env_id=0, group_id=0, tag="SimpleSokoban", seed=123, penalty=-0.1, metrics={},
+        history=[
             {"state": "#P#", "actions_left": 10, "llm_response": "<think>a</think><answer>Up</answer>",
              "llm_raw_response": "<think>a</think><answer>Up</answer>", "reward": -0.1, "response_ids": turn1,
              "actions": ["Up"], "info": {}, "parsed": {"format_ok": True}},
@@ -21,7 +22,7 @@ def _trajectory(tok):
              "actions": ["Left"], "info": {}, "parsed": {"format_ok": False}},
             {"state": "#P_", "actions_left": 8},
         ],
-    }
+    )
 
 
 def _positions(ids: list[int], part: list[int], start: int = 0) -> list[int]:
@@ -45,8 +46,8 @@ def test_masks_and_score_follow_the_token_roles(template, response_only, tiny_co
     cache = _trajectory(tok)
     out = ctx.get_masks_and_scores([cache])
     ids = out["input_ids"][0].tolist()
-    turn1 = _positions(ids, cache["history"][0]["response_ids"])
-    turn2 = _positions(ids, cache["history"][1]["response_ids"], start=turn1[-1] + 1)
+    turn1 = _positions(ids, cache.history[0]["response_ids"])
+    turn2 = _positions(ids, cache.history[1]["response_ids"], start=turn1[-1] + 1)
     sampled = torch.zeros(len(ids) - 1)
     sampled[[p - 1 for p in turn1 + turn2]] = 1  # column j scores token j + 1
     torch.testing.assert_close(out["response_mask"][0], sampled)

@@ -23,10 +23,10 @@ def test_sudoku_rollout_with_a_non_ascii_digit_move_does_not_raise(tiny_config, 
     )
     rollout = proxy.rollout(val=False)
     for state in rollout.states:
-        taken = turns(state["history"])
+        taken = turns(state.history)
         assert len(taken) == cfg.agent_proxy.max_turn
         assert all(turn.actions == ["²,1,1"] for turn in taken)
         assert all(turn.info["action_is_valid"] is False for turn in taken)
-        assert len(set(rendered_states(state["history"]))) == 1
+        assert len(set(rendered_states(state.history))) == 1
     assert rollout.metrics["Sudoku/action_is_valid"] == 0.0
     assert rollout.metrics["Sudoku/success"] == 0.0

@@ -6,6 +6,7 @@ import pytest
 
 from SPA_agent.rollout.chat_tokens import CONTEXT, SAMPLED, SYSTEM, AssistantTurn, ChatTokenizer
 from SPA_agent.rollout.ctx_manager import ContextManager
+from SPA_agent.rollout.turns import EnvCache, EnvRecord
 
 MESSAGES = [
     {"role": "system", "content": "You're a helpful assistant. "},
@@ -56,7 +57,7 @@ def test_qwen3_conversation_ids_and_roles_are_exact(qwen3_tokenizer):
     assert [i for i, r in zip(ids, roles) if r == CONTEXT].count(think) == 2  # the two forced prefixes only
 
 
-def _cache(tok) -> dict:
+def _cache(tok) -> EnvRecord:
     """A finished two-turn Sokoban trajectory (the last history entry holds the final state)."""
     history = []
     for k, body in enumerate(["a</think><answer>Up</answer>", "b</think><answer>Left</answer>"]):
@@ -65,7 +66,7 @@ def _cache(tok) -> dict:
                         "reward": -0.1, "response_ids": _enc(tok, body) + [tok.eos_token_id],
                         "actions": ["Up"], "info": {}, "parsed": {"format_ok": True}})
     history.append({"state": "#P2", "actions_left": 8})
-    return {"env_id": 0, "group_id": 0, "tag": "SimpleSokoban", "seed": 1, "penalty": 0.0, "history": history}
+    return EnvRecord(env_id=0, group_id=0, tag="SimpleSokoban", seed=1, penalty=0.0, metrics={}, history=history)
 
 
 @pytest.mark.parametrize("enable_think", [True, False])
@@ -75,17 +76,18 @@ def test_training_ids_extend_every_generation_prompt_with_its_sampled_ids(enable
     ctx = ContextManager(tiny_config("_2_sokoban", f"agent_proxy.enable_think={enable_think}"), tok)
     final = _cache(tok)
     if not enable_think:  # the forced prefix is <answer>: the sampled ids continue from it
-        for entry in final["history"][:2]:
+        for entry in final.history[:2]:
             entry["response_ids"] = _enc(tok, "Up</answer>") + [tok.eos_token_id]
     row = ctx.get_masks_and_scores([final])
     input_ids = row["input_ids"][0].tolist()
     sampled = row["response_mask"][0].bool().tolist()
     for k in range(2):
-        partial = {**final, "history": [*final["history"][:k], {"state": final["history"][k]["state"],
-                                                                  "actions_left": final["history"][k]["actions_left"]}]}
+        shown = {"state": final.history[k]["state"], "actions_left": final.history[k]["actions_left"]}
+        partial = EnvCache(final.env_id, final.group_id, final.tag, final.seed, final.penalty,
+                           history=[*final.history[:k], shown])
         _, prompt = ctx.get_lm_inputs([partial])[0]
-        turn = final["history"][k]["response_ids"]
+        turn = final.history[k]["response_ids"]
         assert prompt[-1] == _enc(tok, ctx.prefix)[-1]
         assert input_ids[: len(prompt) + len(turn)] == prompt + turn, f"turn {k + 1} was sampled from another context"
         assert sampled[len(prompt) - 1 : len(prompt) - 1 + len(turn)] == [True] * len(turn)
-    assert sum(sampled) == sum(len(e["response_ids"]) for e in final["history"][:2])
+    assert sum(sampled) == sum(len(e["response_ids"]) for e in final.history[:2])

@@ -1,9 +1,13 @@
-"""The typed history records (SPA_agent/rollout/turns.py) read what the real EnvStateManager writes."""
+"""The typed rollout records (SPA_agent/rollout/turns.py) read what the real EnvStateManager writes."""
+
+import copy
+import dataclasses
 
 import pytest
 
 from SPA_agent.rollout.es_manager import EnvInput, EnvStateManager
 from SPA_agent.rollout.turns import (
+    EnvRecord,
     Observation,
     Turn,
     as_entry,
@@ -45,8 +49,8 @@ def test_a_real_history_reads_as_its_turns_with_the_exact_fields(played):
     es, before, given = played
     for env_id in SCRIPT:
         cache, entry = es.cache[env_id], es.entries[env_id]
-        taken = turns(cache["history"])
-        assert len(taken) == 2 == len(cache["history"]) - 1
+        taken = turns(cache.history)
+        assert len(taken) == 2 == len(cache.history) - 1
         actions_left = entry.max_actions_per_traj
         for t, (turn, env_input) in enumerate(zip(taken, given[env_id])):
             known = [a for a in env_input.actions if a != "Jump"]
@@ -58,7 +62,7 @@ def test_a_real_history_reads_as_its_turns_with_the_exact_fields(played):
             )
             assert turn.format_ok is (env_id == 1)
             actions_left -= len(known)
-        final = read_entry(cache["history"][-1])
+        final = read_entry(cache.history[-1])
         assert type(final) is Observation
         assert final == Observation(entry.env.render(), entry.max_actions_per_traj - entry.num_actions)
 
@@ -66,7 +70,7 @@ def test_a_real_history_reads_as_its_turns_with_the_exact_fields(played):
 def test_records_share_the_entry_objects_and_round_trip_to_the_same_dicts(played):
     es, _, _ = played
     for env_id in SCRIPT:
-        history = es.cache[env_id]["history"]
+        history = es.cache[env_id].history
         assert [as_entry(read_entry(entry)) for entry in history] == history
         assert [list(as_entry(read_entry(entry))) for entry in history] == [list(entry) for entry in history]
         for turn, entry in zip(turns(history), history):
@@ -75,7 +79,7 @@ def test_records_share_the_entry_objects_and_round_trip_to_the_same_dicts(played
 
 def test_observation_only_entries_are_not_turns(tiny_config):
     es = EnvStateManager(tiny_config("_2_sokoban"), "train")
-    history = es.reset(seed=3)[0]["history"]
+    history = es.reset(seed=3)[0].history
     assert len(history) == 1 and type(read_entry(history[0])) is Observation
     assert turns(history) == [] and transitions(history) == []
     assert rendered_states(history) == [es.entries[0].env.render()]
@@ -84,7 +88,7 @@ def test_observation_only_entries_are_not_turns(tiny_config):
 def test_transitions_bracket_each_turn_with_the_next_render(played):
     es, before, _ = played
     for env_id in SCRIPT:
-        history = es.cache[env_id]["history"]
+        history = es.cache[env_id].history
         pairs = transitions(history)
         assert [turn for turn, _ in pairs] == turns(history)
         assert [after for _, after in pairs] == [*before[env_id][1:], es.entries[env_id].env.render()]
@@ -94,3 +98,26 @@ def test_transitions_bracket_each_turn_with_the_next_render(played):
 def test_a_half_written_turn_is_an_error_not_an_observation():
     with pytest.raises(KeyError, match="actions"):
         read_entry({"state": "#P", "actions_left": 10, "llm_response": "<answer>Up</answer>"})
+
+
+def test_rollout_states_are_frozen_records_of_the_caches_with_their_metrics(played):
+    es, _, _ = played
+    records = es.get_rollout_states()
+    assert all(type(record) is EnvRecord for record in records)
+    for cache, record in zip(es.cache, records):
+        assert (record.env_id, record.group_id, record.tag, record.seed, record.penalty) == (
+            cache.env_id, cache.group_id, cache.tag, cache.seed, cache.penalty)
+        assert record.history is cache.history  # the entries as written, not a copy
+        assert record.metrics["SimpleSokoban/num_actions"] == es.entries[record.env_id].num_actions
+    assert [record.penalty for record in records] == pytest.approx([2 * es.format_penalty, 0.0])  # env 0: bad format
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        records[0].penalty = 0.0
+
+
+def test_a_reset_leaves_the_records_of_the_last_rollout_as_they_were(played):
+    es, _, _ = played
+    records = es.get_rollout_states()
+    before = copy.deepcopy([record.history for record in records])
+    es.reset(seed=4)
+    assert [record.history for record in records] == before
+    assert all(len(cache.history) == 1 for cache in es.cache)

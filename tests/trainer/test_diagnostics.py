@@ -12,7 +12,7 @@ from SPA_agent.evaluation.plots import plot_diagnostics
 from SPA_agent.generators.base import FINISH_STOP, Generation, Prompt
 from SPA_agent.rollout.agent_proxy import LLMAgentProxy
 from SPA_agent.rollout.chat_tokens import ChatTokenizer
-from SPA_agent.rollout.turns import Observation, Turn, as_entry, turns
+from SPA_agent.rollout.turns import EnvRecord, Observation, Turn, as_entry, turns
 from SPA_agent.trainer import input_dependence as dep
 from SPA_agent.trainer.diagnostics import (
     Diagnostics,
@@ -104,7 +104,7 @@ def test_span_entropies_weighted_by_their_share_sum_to_the_whole_on_a_real_batch
     labels = diagnostics.labeler.batch(t["input_ids"], t["response_mask"])
     # every assistant turn of every row is labelled on its own, behind its own forced prefix
     for row, state in enumerate(rollout.states):
-        taken = turns(state["history"])
+        taken = turns(state.history)
         runs = turn_runs(t["response_mask"][row])
         assert len(runs) == len(taken) == 2
         for (start, end), turn in zip(runs, taken):
@@ -128,9 +128,9 @@ def test_distinct_ratios_on_known_vectors():
 
 def test_rollout_diagnostics_count_format_valid_turns_and_distinct_trajectories():
     def state(group, *played):
-        return {"group_id": group, "history": [
+        return EnvRecord(env_id=0, group_id=group, tag="SimpleSokoban", seed=0, penalty=0.0, metrics={}, history=[
             as_entry(Turn("#P", 10, ["Up"], 0.0, {}, "x", "x", {"format_ok": ok}, ids)) for ids, ok in played
-        ] + [as_entry(Observation("#P", 8))]}
+        ] + [as_entry(Observation("#P", 8))])
 
     states = [state(0, ([1, 2], True), ([3], False)), state(0, ([1, 2], True), ([3], True)),
               state(1, ([1, 2], True), ([3], False))]

@@ -21,9 +21,9 @@ def rollout(request, tiny_tokenizer, tiny_dir):
 
 def _replay(config, tokenizer, state, prefix):
     """Feed one recorded trajectory's sampled turns to a fresh Episode; the prompt ids seen at each turn."""
-    episode = Episode(config, tokenizer, state["tag"], state["seed"])
+    episode = Episode(config, tokenizer, state.tag, state.seed)
     prompts = []
-    for turn in turns(state["history"]):
+    for turn in turns(state.history):
         prompts.append(episode.prompt_ids())
         episode.step(turn.response_ids, turn.llm_raw_response[len(prefix):], finished=True)
     return episode, prompts
@@ -43,7 +43,7 @@ def test_episode_gives_the_proxy_row_ids_masks_and_score(rollout, tiny_tokenizer
         assert out["response_mask"] == loss_mask[:n] and out["response_mask"][-1] == 1
         assert not any(loss_mask[n:]), "only untrained tokens are dropped"
         assert out["reward_score"] == pytest.approx(batch["rm_scores"][row].sum().item())
-        per_env = {key: value for key, value in state["metrics"].items() if "/pass@" not in key}  # a group statistic
+        per_env = {key: value for key, value in state.metrics.items() if "/pass@" not in key}  # a group statistic
         assert {key: out["metrics"][key] for key in per_env} == per_env
 
 

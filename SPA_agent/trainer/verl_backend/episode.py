@@ -70,5 +70,5 @@ class Episode:
             "response_ids": row["responses"][: last + 1].tolist(),
             "response_mask": loss_mask[: last + 1].tolist(),
             "reward_score": float(row["rm_scores"].sum()),
-            "metrics": dict(states[0]["metrics"]),
+            "metrics": dict(states[0].metrics),
         }
