@@ -15,6 +15,7 @@ a later stage reads used to be refused after the earlier stages had run for minu
 from __future__ import annotations
 
 import difflib
+import importlib
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -26,6 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from SPA_agent.config import CONFIG_DIR
 from SPA_agent.entry import EXIT_USAGE, USER_ERRORS
+from SPA_agent.stages import SFT_CONFIG_CHECK
 from SPA_agent.stages import STAGES as PIPELINE
 
 SEPARATOR = "--then"
@@ -49,8 +51,8 @@ def check_data(config_name: str, overrides: Sequence[str]) -> None:
 
 
 def check_sft(config_name: str, overrides: Sequence[str]) -> None:
-    from sft.config_checks import check_sft_config
-
+    module, function = SFT_CONFIG_CHECK.split(":")
+    check_sft_config = getattr(importlib.import_module(module), function)
     cfg = _compose(SFT_CONFIG_DIR, config_name, overrides)
     check_sft_config(cfg, cfg.trainer.preflight_nproc or 1)
 

@@ -51,6 +51,9 @@ STAGES = (
     Stage("report", "SPA_agent.report", "report"),
 )
 MODULES = {stage.name: stage.module for stage in STAGES}
+#: stage 2's config check, which SPA_agent.pipeline_check runs by this name before a pipeline starts: SPA_agent
+#: imports nothing from sft, whose entry point it also knows only by name
+SFT_CONFIG_CHECK = "sft.config_checks:check_sft_config"
 
 # ------------------------------------------------------------------------------- files between the stages
 
