@@ -44,6 +44,7 @@ def check_config(cfg: DictConfig) -> None:
     check_rollout_settings(cfg)
     _check_types(cfg)
     check_choice(cfg, "ctx_manager.mode", PROMPT_MODES)
+    check_choice(cfg, "actor_rollout_ref.model.use_liger", (True, False, "auto"))
     _check_backend(cfg)
     _check_batch_sizes(cfg)
     _check_algorithm(cfg)

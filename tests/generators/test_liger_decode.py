@@ -60,3 +60,12 @@ def test_liger_decoding_gives_the_plain_greedy_tokens_on_gpu(varied_model, tiny_
     assert module.apply_rotary_pos_emb is rope
     plain = HFGenerator(plain_model, tiny_tokenizer, GREEDY, progress=False, decoder="static").generate(prompts)
     assert fused_ids == [g.token_ids for g in plain]
+
+
+def test_ppo_config_check_refuses_an_unknown_setting_before_any_model():
+    from SPA_agent.config import compose
+    from SPA_agent.trainer.config_checks import check_config
+
+    check_config(compose("_2_sokoban", ["model=smollm2-135m"]))  # its preset: auto
+    with pytest.raises(ValueError, match=r"actor_rollout_ref.model.use_liger must be one of \(True, False, 'auto'\), got 'on'"):
+        check_config(compose("_2_sokoban", ["model=tiny", "actor_rollout_ref.model.use_liger=on"]))
