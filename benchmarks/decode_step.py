@@ -8,9 +8,12 @@ decoder's cache is filled by a prefill of B prompts of C random ids, then timed 
 - `step`: one replay of the captured decode step (forward of one token per row, logits of the last position);
 - `sample`: softmax + multinomial over the float32 logits (temperature 1, no top-k/top-p: the PPO settings);
 - `attention/<path>`: one layer's decode attention (queries (B, H, 1, D) against the cache (B, L, H_kv, D), each
-  row reading its first C+1 keys) through flash attention's variable-length kernel (`flash`, the decoder's path
-  on GPU) and one masked SDPA call (`masked`, its path elsewhere), times the number of layers (so it compares
-  with `step`).
+  row reading its first C+1 keys, a finished row one) through flash attention's variable-length kernel (`flash`),
+  the Triton split-KV kernel (`split_kv`, split_kv_decode.py) and one masked SDPA call (`masked`, the path on
+  CPU), times the number of layers (so it compares with `step`); `max_gap/<path>`: its largest difference from
+  `masked`.
+
+--attention names the decode attention kernels whose whole step is timed (`step_ms/<kernel>`; default: both).
 
 --profile adds a torch.profiler table (eager steps, no CUDA graph) of the kernels by GPU time. --liger also times
 prefill and step (and profiles) of the model as `generator.liger_kernels=true` runs it (liger_decode.py: Liger's
@@ -19,6 +22,8 @@ emitted their end of turn do). `--shape smollm2-135m` is SmolLM2-135M's Llama sh
 
     python benchmarks/decode_step.py --shape 0.5b --batch 256 --contexts 700 1500 2300 --profile
     python benchmarks/decode_step.py --shape smollm2-135m --contexts 400 900 1300 --finished 0.6 --liger --profile
+    python benchmarks/decode_step.py --shape smollm2-135m --contexts 400 900 1300 --finished 0.6 --liger \
+        --attention flash split_kv
 """
 
 from __future__ import annotations
@@ -32,9 +37,10 @@ import torch
 from generation import build_model
 from model_shapes import SHAPES
 
-from SPA_agent.generators import liger_decode
+from SPA_agent.generators import liger_decode, split_kv_decode
 from SPA_agent.generators.base import SamplingParams
 from SPA_agent.generators.static_decode import (
+    ATTENTION_KERNELS,
     PROMPT_BUCKET,
     StaticDecoder,
     decode_attention_mode,
@@ -88,8 +94,12 @@ def filled_state(decoder: StaticDecoder, batch: int, context: int, steps: int, v
     prefill_ms = cuda_ms(lambda: decoder._prefill(state, prompts, lengths), 3)
     state.input_ids.copy_(prompts[:, -1:])
     state.positions.fill_(context)
-    state.finished[: int(finished * batch)] = True
+    state.finished[: finished_rows(batch, finished)] = True
     return state, prefill_ms, logits
+
+
+def finished_rows(batch: int, finished: float) -> int:
+    return int(finished * batch)
 
 
 def kernels(model, liger: bool):
@@ -97,9 +107,9 @@ def kernels(model, liger: bool):
     return liger_decode.fused_rope(model) if liger else contextlib.nullcontext()
 
 
-def time_step(model, args, context: int, liger: bool = False) -> tuple[float, float]:
+def time_step(model, args, context: int, liger: bool = False, attention: str = "flash") -> tuple[float, float]:
     """(prefill ms, decode step ms) at this context."""
-    decoder = StaticDecoder(model, stop_ids=[1], pad_id=0)
+    decoder = StaticDecoder(model, stop_ids=[1], pad_id=0, attention=attention)
     with torch.inference_mode(), decode_attention_mode(model), kernels(model, liger):
         state, prefill_ms, _ = filled_state(decoder, args.batch, context, args.steps, model.config.vocab_size,
                                             args.finished)
@@ -117,16 +127,20 @@ def attention_times(config, args, context: int) -> dict[str, float]:
     query = torch.randn(batch, heads, 1, head_dim, **to)
     key, value = (torch.randn(batch, length, kv_heads, head_dim, **to) for _ in range(2))
     kv_lengths = torch.full((batch,), context + 1, device="cuda", dtype=torch.int32)
+    kv_lengths[: finished_rows(batch, args.finished)] = 1
     rows = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
     scale = head_dim**-0.5
     cu_q = rows * (heads // kv_heads)  # the grouped queries: G a row
     flash = lambda: flash_decode(query, key, value, kv_lengths, cu_q, rows * length, scale)  # noqa: E731
     masked = lambda: masked_decode(query, key, value, kv_lengths, scale)  # noqa: E731
-    return {
-        "flash": cuda_ms(flash, args.steps) * config.num_hidden_layers,
-        "masked": cuda_ms(masked, args.steps) * config.num_hidden_layers,
-        "max_gap": (flash().float() - masked().float()).abs().max().item(),
-    }
+    paths = {"flash": flash, "masked": masked}
+    if split_kv_decode.available():
+        paths["split_kv"] = lambda: split_kv_decode.split_kv_decode(query, key, value, kv_lengths, scale)
+    reference = masked().float()
+    times = {name: cuda_ms(fn, args.steps) * config.num_hidden_layers for name, fn in paths.items()}
+    gaps = {f"max_gap/{name}": (fn().float() - reference).abs().max().item() for name, fn in paths.items()
+            if name != "masked"}
+    return {**times, **gaps}
 
 
 def time_sampling(logits: torch.Tensor, args) -> float:
@@ -138,7 +152,7 @@ def time_sampling(logits: torch.Tensor, args) -> float:
 def profile_table(model, args, context: int, liger: bool = False) -> str:
     from torch.profiler import ProfilerActivity, profile
 
-    decoder = StaticDecoder(model, stop_ids=[1], pad_id=0, use_cuda_graphs=False)
+    decoder = StaticDecoder(model, stop_ids=[1], pad_id=0, use_cuda_graphs=False, attention=args.attention[-1])
     with torch.inference_mode(), decode_attention_mode(model), kernels(model, liger):
         state, _, _ = filled_state(decoder, args.batch, context, args.steps, model.config.vocab_size, args.finished)
         state.forward_step()
@@ -159,6 +173,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="print a kernel table at the longest context")
     parser.add_argument("--liger", action="store_true", help="also time the model patched by liger-kernel")
     parser.add_argument("--finished", type=float, default=0.0, help="share of rows that have finished (0-1)")
+    parser.add_argument("--attention", nargs="+", choices=ATTENTION_KERNELS, default=list(ATTENTION_KERNELS),
+                        help="decode attention kernels to time the step with (the profile uses the last)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("decode_step.py needs a CUDA GPU")
@@ -167,9 +183,10 @@ def main() -> None:
     avoid_cudnn_attention()  # as the local backend runs
     model = decode_model(args.shape)
     for context in args.contexts:
-        prefill_ms, step_ms = time_step(model, args, context)
-        row = {"shape": args.shape, "batch": args.batch, "context": context,
-               "prefill_ms": round(prefill_ms, 2), "step_ms": round(step_ms, 3)}
+        row = {"shape": args.shape, "batch": args.batch, "context": context, "finished": args.finished}
+        for attention in args.attention:
+            prefill_ms, step_ms = time_step(model, args, context, attention=attention)
+            row.update({"prefill_ms": round(prefill_ms, 2), f"step_ms/{attention}": round(step_ms, 3)})
         decoder = StaticDecoder(model, stop_ids=[1], pad_id=0)
         with torch.inference_mode(), decode_attention_mode(model):
             _, _, logits = filled_state(decoder, args.batch, context, args.steps, model.config.vocab_size)
@@ -185,9 +202,11 @@ def main() -> None:
         liger_decode.check_liger(model)
         liger_decode.patch_model(model)
         for context in args.contexts:
-            prefill_ms, step_ms = time_step(model, args, context, liger=True)
-            print(json.dumps({"variant": "liger", "context": context, "prefill_ms": round(prefill_ms, 2),
-                              "step_ms": round(step_ms, 3)}), flush=True)
+            row = {"variant": "liger", "context": context}
+            for attention in args.attention:
+                prefill_ms, step_ms = time_step(model, args, context, liger=True, attention=attention)
+                row.update({"prefill_ms": round(prefill_ms, 2), f"step_ms/{attention}": round(step_ms, 3)})
+            print(json.dumps(row), flush=True)
         if args.profile:
             print(profile_table(model, args, max(args.contexts), liger=True), flush=True)
 

@@ -169,6 +169,7 @@ class HFGenerator:
         max_batch_tokens: int | str | None = None,
         compile_decode_step: bool = False,
         liger_kernels: bool | str = False,
+        decode_attention: str = "auto",
     ):
         if batch_size is not None and batch_size != "auto" and (not isinstance(batch_size, int) or batch_size < 1):
             raise ValueError(f"generator.batch_size must be a positive integer, auto or null, got {batch_size!r}")
@@ -193,6 +194,10 @@ class HFGenerator:
         self.liger_kernels = liger_decode.resolve(liger_kernels, model)
         if self.liger_kernels:
             liger_decode.patch_model(model)
+        # the static decoder's attention kernel (split_kv_decode.py)
+        from SPA_agent.generators import split_kv_decode
+
+        self.decode_attention = split_kv_decode.resolve(str(decode_attention), next(model.parameters()).device)
         self._static = None
         self._calls = 0
 
@@ -211,6 +216,7 @@ class HFGenerator:
             progress=bool(cfg.get("progress", True)),
             compile_decode_step=bool(cfg.get("compile_decode_step", False)),
             liger_kernels=cfg.get("liger_kernels", False),
+            decode_attention=str(cfg.get("decode_attention", "auto")),
         )
 
     @property
@@ -264,7 +270,7 @@ class HFGenerator:
             from SPA_agent.generators.static_decode import StaticDecoder
 
             self._static = StaticDecoder(self.model, self.stop_ids, self.pad_id, use_cuda_graphs=self.cuda_graphs,
-                                         compile_step=self.compile_decode_step)
+                                         compile_step=self.compile_decode_step, attention=self.decode_attention)
         return self._static.generate(input_ids, attention_mask, self.sampling, generator).tolist()
 
     def _with_generate(

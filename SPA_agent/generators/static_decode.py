@@ -50,8 +50,12 @@ from SPA_agent.generators.base import SamplingParams
 
 ATTENTION_NAME = "spa_decode_attention"
 #: keyword argument the decode step passes down to the attention layers: (kv_lengths (B,) int32, cu_seqlens_q
-#: (B+1,) int32 of the grouped queries, b·G, cu_seqlens_k (B+1,) int32, b·L), see `flash_decode`
+#: (B+1,) int32 of the grouped queries, b·G, cu_seqlens_k (B+1,) int32, b·L, the kernel: one of ATTENTION_KERNELS),
+#: see `flash_decode`
 DECODE_KWARG = "spa_decode"
+#: decode attention kernels: `flash` (flash attention's variable-length forward where it runs, masked SDPA elsewhere)
+#: or `split_kv` (split_kv_decode.py, Triton)
+ATTENTION_KERNELS = ("flash", "split_kv")
 # On GPU, cache lengths are multiples of this, so batches of similar length share a graph.
 PROMPT_BUCKET = 64
 CHECK_EVERY = 16  # decode steps between checks whether every sequence has finished
@@ -85,9 +89,14 @@ def decode_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     decode = kwargs.get(DECODE_KWARG)
     if decode is None:
         return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling)
+    kv_lengths, cu_q, cu_k, kernel = decode
+    if kernel == "split_kv":
+        from SPA_agent.generators.split_kv_decode import split_kv_decode
+
+        return split_kv_decode(query, key, value, kv_lengths, scaling), None
     if uses_flash_decode(query):
-        return flash_decode(query, key, value, *decode, scaling), None
-    return masked_decode(query, key, value, decode[0], scaling), None
+        return flash_decode(query, key, value, kv_lengths, cu_q, cu_k, scaling), None
+    return masked_decode(query, key, value, kv_lengths, scaling), None
 
 
 def grouped_queries(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -233,7 +242,7 @@ class DecodeStats:
 class _DecodeState:
     """Buffers of one (B, L) shape and, on GPU, the CUDA graph of one decode step over them."""
 
-    def __init__(self, model, batch: int, max_len: int, use_cuda_graph: bool, step_fn=None):
+    def __init__(self, model, batch: int, max_len: int, use_cuda_graph: bool, step_fn=None, attention="flash"):
         device = next(model.parameters()).device
         self.model, self.shape = model, (batch, max_len)
         self.input_ids = torch.zeros((batch, 1), dtype=torch.long, device=device)
@@ -245,8 +254,8 @@ class _DecodeState:
         self.write_rows = torch.zeros(batch, dtype=torch.long, device=device)
         self.kv_lengths = torch.zeros(batch, dtype=torch.int32, device=device)
         self.finished = torch.zeros(batch, dtype=torch.bool, device=device)  # rows that emitted an end of turn
-        # DECODE_KWARG: lengths, cu_seqlens of the grouped queries (G a row) and of the keys
-        self.decode = (self.kv_lengths, rows * group, rows * max_len)
+        # DECODE_KWARG: lengths, cu_seqlens of the grouped queries (G a row) and of the keys, the kernel
+        self.decode = (self.kv_lengths, rows * group, rows * max_len, attention)
         self.cache = StaticKVCache(batch, max_len, self.write_rows)
         self.graph, self.logits = None, None
         self.capture_s = 0.0
@@ -307,7 +316,9 @@ class StaticDecoder:
     """Decodes padded batches with a static KV cache; see the module docstring."""
 
     def __init__(self, model, stop_ids: list[int], pad_id: int, use_cuda_graphs: bool = True,
-                 compile_step: bool = False):
+                 compile_step: bool = False, attention: str = "flash"):
+        if attention not in ATTENTION_KERNELS:
+            raise ValueError(f"decode attention must be one of {ATTENTION_KERNELS}, got {attention!r}")
         layer_types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
         if layer_types != {"full_attention"} or getattr(model.config, "use_sliding_window", False):
             raise ValueError(
@@ -315,6 +326,7 @@ class StaticDecoder:
             )
         self.model, self.pad_id = model, pad_id
         self.device = next(model.parameters()).device
+        self.attention = attention
         self.stop_ids = torch.tensor(stop_ids, device=self.device)
         self.use_cuda_graphs = use_cuda_graphs and self.device.type == "cuda"
         # one compiled step for every (B, L): dynamic shapes, so a new batch size or cache length does not recompile
@@ -353,7 +365,8 @@ class StaticDecoder:
     def _state_for(self, batch: int, max_len: int) -> _DecodeState:
         if self._state is None or self._state.shape != (batch, max_len):
             self._state = None  # free the old buffers before allocating new ones
-            self._state = _DecodeState(self.model, batch, max_len, self.use_cuda_graphs, self._step_fn)
+            self._state = _DecodeState(self.model, batch, max_len, self.use_cuda_graphs, self._step_fn,
+                                       self.attention)
         return self._state
 
     def _prefill(self, state: _DecodeState, prompts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

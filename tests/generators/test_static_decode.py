@@ -97,7 +97,7 @@ class _Attention:
     num_key_value_groups, is_causal = 3, True
 
 
-def _decode_inputs(device="cpu", dtype=torch.float32, batch=3, length=11, head_dim=8):
+def _decode_inputs(device="cpu", dtype=torch.float32, batch=3, length=11, head_dim=8, kernel="flash"):
     """Random one-token queries (B, 6, 1, D), a cache (B, L, 2, D) and per-row key counts (the first is 1)."""
     gen = torch.Generator().manual_seed(0)
     query = torch.randn(batch, 6, 1, head_dim, generator=gen)
@@ -105,7 +105,8 @@ def _decode_inputs(device="cpu", dtype=torch.float32, batch=3, length=11, head_d
     kv_lengths = torch.tensor([1, *torch.randint(2, length + 1, (batch - 1,), generator=gen).tolist()])
     rows = torch.arange(batch + 1)
     to = dict(device=device, dtype=dtype)
-    decode = (kv_lengths.int().to(device), (rows * 3).int().to(device), (rows * length).int().to(device))  # G = 3
+    decode = (kv_lengths.int().to(device), (rows * 3).int().to(device), (rows * length).int().to(device),  # G = 3
+              kernel)
     return query.to(**to), key.to(**to), value.to(**to), kv_lengths, decode
 
 
@@ -147,7 +148,7 @@ def test_grouped_query_positions_give_every_query_heads_attention():
     under the variable-length contract that layout gives each query head its own key/value head's attention."""
     from SPA_agent.generators.static_decode import grouped_queries, ungrouped_output
 
-    query, key, value, kv_lengths, (lengths, cu_q, cu_k) = _decode_inputs(batch=4)
+    query, key, value, kv_lengths, (lengths, cu_q, cu_k, _) = _decode_inputs(batch=4)
     batch, length, kv_heads, head_dim = key.shape
     grouped = grouped_queries(query, kv_heads)
     assert grouped.shape == (batch * 3, kv_heads, head_dim)

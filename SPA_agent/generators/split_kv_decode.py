@@ -1,0 +1,163 @@
+"""Split-KV decode attention in Triton for the static decoder (`generator.decode_attention=split_kv`, issue 42).
+
+A decode step has one query token per row. Flash attention's variable-length forward, the decoder's other GPU
+path, tiles 128 query rows per thread block and walks a row's keys in one block: a decode step fills one to three of
+those rows (the query heads that share a key/value head), and a row of 1,500 keys is walked by a single block, so
+on SmolLM2 its kernel was 60% of a decode step at a fraction of the memory bandwidth (benchmarks/RESULTS.md, "The
+decode step alone"). Here, as in flash-decoding:
+
+1. `_partials`: one program per (row, key/value head, split of SPLIT keys). The G query heads that share the
+   key/value head are G rows of one small matrix product, so each key and value is read once per row and head. A
+   program whose split starts past the row's length does nothing, so a finished row (one key) costs one program.
+   It writes the split's normalised output and its log-sum-exp (base 2).
+2. `_combine`: one program per (row, key/value head) merges the row's used splits by their log-sum-exps.
+
+The arithmetic is attention's (float32 scores and sums, probabilities rounded to the value dtype before their
+product with the values, as flash attention does); only the order of the sums differs, so the sampling distribution
+is unchanged. Needs triton (CUDA builds of torch bring it). On CPU the kernels run only under Triton's interpreter
+(`TRITON_INTERPRET=1`), which the tests use to check them against the masked reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+import os
+
+import torch
+
+#: keys per split: a row of L keys is read by ceil(L / SPLIT) programs
+SPLIT = 256
+#: keys per inner block of a program
+BLOCK_N = 64
+#: tl.dot needs at least 16 rows: the G query heads of a key/value head are padded to this
+MIN_GROUP_ROWS = 16
+
+
+#: generator.decode_attention: `auto` is split_kv on a CUDA GPU where triton is installed, flash elsewhere
+SETTINGS = ("auto", "flash", "split_kv")
+
+
+def available() -> bool:
+    """Whether triton can be imported (CUDA builds of torch bring it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def resolve(setting: str, device: torch.device) -> str:
+    """The static decoder's attention kernel (`flash` or `split_kv`) for generator.decode_attention on `device`;
+    a one-line ValueError where split_kv cannot run (no triton; CPU tensors outside Triton's interpreter)."""
+    if setting not in SETTINGS:
+        raise ValueError(f"generator.decode_attention must be one of {SETTINGS}, got {setting!r}")
+    if setting == "auto":
+        return "split_kv" if device.type == "cuda" and available() else "flash"
+    if setting == "split_kv" and not (available() and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET"))):
+        raise ValueError("generator.decode_attention=split_kv needs triton and a CUDA GPU; "
+                         "set generator.decode_attention=flash")
+    return setting
+
+
+@functools.cache
+def _kernels():
+    """The two Triton kernels, defined on first use so that importing this module needs no triton."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _partials(Q, K, V, lengths, partial_out, partial_lse, scale_log2,
+                  stride_qb, stride_qh, stride_kb, stride_kl, stride_kh,
+                  num_splits,
+                  KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+        row, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        length = tl.load(lengths + row)
+        start = split * SPLIT
+        if start < length:
+            end = tl.minimum(start + SPLIT, length)
+            g = tl.arange(0, GROUP_ROWS)
+            d = tl.arange(0, HEAD_DIM)
+            q = tl.load(Q + row * stride_qb + (head * GROUP + g)[:, None] * stride_qh + d[None, :],
+                        mask=(g < GROUP)[:, None], other=0.0)
+            best = tl.full([GROUP_ROWS], float("-inf"), tl.float32)
+            total = tl.zeros([GROUP_ROWS], tl.float32)
+            acc = tl.zeros([GROUP_ROWS, HEAD_DIM], tl.float32)
+            base = row * stride_kb + head * stride_kh
+            for n in range(start, end, BLOCK_N):
+                keys = n + tl.arange(0, BLOCK_N)
+                valid = keys < end
+                offsets = base + keys[:, None] * stride_kl + d[None, :]
+                k = tl.load(K + offsets, mask=valid[:, None], other=0.0)
+                v = tl.load(V + offsets, mask=valid[:, None], other=0.0)
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+                scores = tl.where(valid[None, :], scores, float("-inf"))
+                new_best = tl.maximum(best, tl.max(scores, 1))
+                p = tl.exp2(scores - new_best[:, None])
+                rescale = tl.exp2(best - new_best)
+                total = total * rescale + tl.sum(p, 1)
+                acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+                best = new_best
+            slot = (row * KV_HEADS + head) * num_splits + split  # (B, H_kv, S) flattened
+            tl.store(partial_out + (slot * GROUP + g)[:, None] * HEAD_DIM + d[None, :], acc / total[:, None],
+                     mask=(g < GROUP)[:, None])
+            tl.store(partial_lse + slot * GROUP + g, best + tl.log2(total), mask=g < GROUP)
+
+    @triton.jit
+    def _combine(partial_out, partial_lse, lengths, out, num_splits,
+                 KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr):
+        row, head = tl.program_id(0), tl.program_id(1)
+        used = tl.cdiv(tl.load(lengths + row), SPLIT)
+        g = tl.arange(0, GROUP_ROWS)
+        d = tl.arange(0, HEAD_DIM)
+        first = (row * KV_HEADS + head) * num_splits
+        best = tl.full([GROUP_ROWS], float("-inf"), tl.float32)
+        for split in range(0, used):
+            lse = tl.load(partial_lse + (first + split) * GROUP + g, mask=g < GROUP, other=0.0)
+            best = tl.maximum(best, lse)
+        total = tl.zeros([GROUP_ROWS], tl.float32)
+        acc = tl.zeros([GROUP_ROWS, HEAD_DIM], tl.float32)
+        for split in range(0, used):
+            lse = tl.load(partial_lse + (first + split) * GROUP + g, mask=g < GROUP, other=0.0)
+            weight = tl.exp2(lse - best)
+            part = tl.load(partial_out + ((first + split) * GROUP + g)[:, None] * HEAD_DIM + d[None, :],
+                           mask=(g < GROUP)[:, None], other=0.0)
+            acc += weight[:, None] * part
+            total += weight
+        # out (B, 1, H, D) contiguous: query head h = head·G + g of row `row`
+        heads = (row * KV_HEADS + head) * GROUP + g
+        tl.store(out + heads[:, None] * HEAD_DIM + d[None, :], (acc / total[:, None]).to(out.dtype.element_ty),
+                 mask=(g < GROUP)[:, None])
+
+    return _partials, _combine
+
+
+def split_kv_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_lengths: torch.Tensor,
+                    scaling: float | None = None) -> torch.Tensor:
+    """Decode attention: query (B, H, 1, D), cache key/value (B, L, H_kv, D), row b reading its first
+    kv_lengths[b] ≥ 1 keys; (B, 1, H, D) in the query's dtype. Query head h reads key/value head h // (H / H_kv),
+    as in transformers' `repeat_kv`."""
+    partials, combine = _kernels()
+    batch, heads, _, head_dim = query.shape
+    length, kv_heads = key.shape[1], key.shape[2]
+    if key.stride() != value.stride() or key.stride(-1) != 1 or query.stride(-1) != 1:
+        raise ValueError("split_kv_decode needs keys and values of one layout, contiguous in the head dimension")
+    if head_dim & (head_dim - 1) or head_dim < 16:
+        raise ValueError(f"split_kv_decode needs a power-of-two head size of at least 16, got {head_dim}")
+    group = heads // kv_heads
+    group_rows = max(MIN_GROUP_ROWS, 1 << (group - 1).bit_length())
+    num_splits = -(-length // SPLIT)
+    partial_out = torch.empty((batch, kv_heads, num_splits, group, head_dim), dtype=torch.float32,
+                              device=query.device)
+    partial_lse = torch.empty((batch, kv_heads, num_splits, group), dtype=torch.float32, device=query.device)
+    out = torch.empty((batch, 1, heads, head_dim), dtype=query.dtype, device=query.device)
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(head_dim)
+    partials[(batch, kv_heads, num_splits)](
+        query, key, value, kv_lengths, partial_out, partial_lse, scale * math.log2(math.e),
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2), num_splits,
+        KV_HEADS=kv_heads, GROUP=group, GROUP_ROWS=group_rows, HEAD_DIM=head_dim, SPLIT=SPLIT, BLOCK_N=BLOCK_N,
+    )
+    combine[(batch, kv_heads)](
+        partial_out, partial_lse, kv_lengths, out, num_splits,
+        KV_HEADS=kv_heads, GROUP=group, GROUP_ROWS=group_rows, HEAD_DIM=head_dim, SPLIT=SPLIT,
+    )
+    return out
