@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from verl.trainer.ppo import core_algos
 
 from SPA_agent.entry import check_choice, check_list, check_numbers, check_rollout_settings
+from SPA_agent.generators.split_kv_decode import SETTINGS as DECODE_ATTENTION
 from SPA_agent.rollout.parsing import MODES as PROMPT_MODES
 from SPA_agent.trainer.algos import ADV_ESTIMATORS, ROLLOUT_FILTERS
 from SPA_agent.trainer.backend import BACKENDS
@@ -45,6 +46,8 @@ def check_config(cfg: DictConfig) -> None:
     _check_types(cfg)
     check_choice(cfg, "ctx_manager.mode", PROMPT_MODES)
     check_choice(cfg, "actor_rollout_ref.model.use_liger", (True, False, "auto"))
+    if OmegaConf.select(cfg, "generator.name") == "hf":
+        check_choice(cfg, "generator.decode_attention", DECODE_ATTENTION)
     _check_backend(cfg)
     _check_batch_sizes(cfg)
     _check_algorithm(cfg)

@@ -1,61 +1,49 @@
-"""The Triton split-KV decode attention (split_kv_decode.py, `generator.decode_attention=split_kv`): on CPU under
-Triton's interpreter, the kernels' arithmetic against the masked reference and the static decoder's samples with it
-against the decoder's own CPU path; on a GPU, the compiled kernels and the CUDA-graph decoder."""
+"""The Triton split-KV decode attention (split_kv_decode.py, `generator.decode_attention=split_kv`): on CPU, the
+kernels under Triton's interpreter (interpreted_split_kv.py, in a child pytest); the setting's resolution and
+errors; on a GPU, the compiled kernels and the CUDA-graph decoder."""
 
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+from interpreted_split_kv import decode_inputs, generations  # the same inputs and decoder runs
 
 from SPA_agent.generators import SamplingParams, split_kv_decode
-from SPA_agent.generators.hf import HFGenerator
 from SPA_agent.generators.static_decode import StaticDecoder, masked_decode
 
 pytestmark = pytest.mark.skipif(not split_kv_decode.available(), reason="needs triton (pip install triton)")
 
-# (batch, query heads, key/value heads, head size, cache length): SmolLM2's 9/3 heads, Qwen2.5-0.5B's 14/2 (G = 7),
-# no grouping, one key/value head for eight, and lengths on, just past and far from split and block boundaries
-SHAPES = [(5, 9, 3, 64, 600), (3, 14, 2, 64, 300), (4, 4, 4, 32, 257), (2, 8, 1, 16, 70)]
+INTERPRETED = Path(__file__).with_name("interpreted_split_kv.py")
 
 
-@pytest.fixture
-def interpreted(monkeypatch):
-    """Triton's interpreter (kernels run on CPU tensors); the kernels are defined afresh under it and again after."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    split_kv_decode._kernels.cache_clear()
-    yield
-    split_kv_decode._kernels.cache_clear()
+def run_interpreted(marker: str) -> None:
+    """interpreted_split_kv.py's tests of `marker` in a child pytest with TRITON_INTERPRET=1 from its start."""
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marker, str(INTERPRETED)],
+        env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=INTERPRETED.parents[2], capture_output=True, text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0 and " passed" in result.stdout and "skipped" not in result.stdout, (
+        result.stdout[-6000:] + result.stderr[-3000:])
 
 
-def decode_inputs(batch, heads, kv_heads, head_dim, length, device="cpu", dtype=torch.float32):
-    """Decode queries (B, H, 1, D) laid out as a model's attention hands them over (a transposed view), a cache
-    (B, L, H_kv, D), and row lengths from one key (a finished row) to the whole cache."""
-    gen = torch.Generator().manual_seed(batch * 1000 + length)
-    query = torch.randn(batch, 1, heads, head_dim, generator=gen).transpose(1, 2)
-    key, value = (torch.randn(batch, length, kv_heads, head_dim, generator=gen) for _ in range(2))
-    kv_lengths = torch.randint(1, length + 1, (batch,), generator=gen, dtype=torch.int32)
-    kv_lengths[0], kv_lengths[-1] = 1, length
-    to = dict(device=device, dtype=dtype)
-    return query.to(**to), key.to(**to), value.to(**to), kv_lengths.to(device)
+def test_kernels_under_the_interpreter_equal_the_masked_reference():
+    run_interpreted("not slow")
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}_h{}_kv{}_d{}_l{}".format(*s))
-def test_kernels_equal_the_masked_reference(interpreted, shape):
-    query, key, value, kv_lengths = decode_inputs(*shape)
-    output = split_kv_decode.split_kv_decode(query, key, value, kv_lengths, scaling=0.3)
-    assert output.shape == (shape[0], 1, shape[1], shape[3])
-    torch.testing.assert_close(output, masked_decode(query, key, value, kv_lengths, scaling=0.3),
-                               atol=1e-5, rtol=1e-5)
+@pytest.mark.slow
+def test_decoder_under_the_interpreter_samples_what_its_cpu_attention_samples():
+    run_interpreted("slow")
 
 
-def test_keys_past_a_rows_length_are_never_read(interpreted):
-    query, key, value, kv_lengths = decode_inputs(3, 9, 3, 64, 600)
-    before = split_kv_decode.split_kv_decode(query, key, value, kv_lengths)
-    for row, length in enumerate(kv_lengths.tolist()):
-        key[row, length:], value[row, length:] = float("nan"), float("nan")
-    torch.testing.assert_close(split_kv_decode.split_kv_decode(query, key, value, kv_lengths), before)
+# the GPU tests' shapes: SmolLM2's 9/3 heads, Qwen2.5-0.5B's 14/2
+GPU_SHAPES = [(5, 9, 3, 64, 600), (3, 14, 2, 64, 300)]
 
 
 def test_unsupported_head_sizes_and_layouts_are_one_line_errors():
@@ -69,25 +57,8 @@ def test_unsupported_head_sizes_and_layouts_are_one_line_errors():
         StaticDecoder(torch.nn.Linear(1, 1), stop_ids=[0], pad_id=0, attention="paged")
 
 
-def generations(model, tokenizer, prompts, sampling, attention):
-    generator = HFGenerator(model, tokenizer, sampling, batch_size=None, decoder="static", progress=False,
-                            decode_attention=attention)
-    return [(g.token_ids, g.finish_reason) for g in generator.generate(prompts)]
-
-
-@pytest.mark.slow
-def test_decoder_samples_what_it_samples_with_the_masked_attention(interpreted, varied_model, tiny_tokenizer,
-                                                                  prompts_of_lengths):
-    """The static decoder with the split-KV kernel in every layer samples the same tokens (float32, temperature 1,
-    one seed) as with its CPU attention; rows finish at different steps, so finished rows' one-key reads are in."""
-    prompts = prompts_of_lengths([1, 12, 3, 40])
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=12, seed=5)
-    expected = generations(varied_model, tiny_tokenizer, prompts, sampling, "flash")
-    assert generations(varied_model, tiny_tokenizer, prompts, sampling, "split_kv") == expected
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled Triton kernels need a CUDA GPU")
-@pytest.mark.parametrize("shape", SHAPES[:2], ids=["smollm2", "qwen0.5b"])
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=["smollm2", "qwen0.5b"])
 def test_kernels_on_gpu_equal_the_masked_reference(shape):
     query, key, value, kv_lengths = decode_inputs(*shape, device="cuda", dtype=torch.bfloat16)
     output = split_kv_decode.split_kv_decode(query, key, value, kv_lengths, scaling=0.125)
@@ -105,3 +76,17 @@ def test_cuda_graph_decoder_on_gpu_samples_what_the_masked_attention_samples(var
     greedy = SamplingParams(temperature=0.0, max_new_tokens=24)
     assert (generations(model, tiny_tokenizer, prompts, greedy, "split_kv")
             == generations(model, tiny_tokenizer, prompts, greedy, "flash"))
+
+
+def test_setting_resolves_per_device_and_unknown_ones_are_refused_before_any_model():
+    from SPA_agent.config import compose
+    from SPA_agent.trainer.config_checks import check_config
+
+    cpu = torch.device("cpu")
+    assert split_kv_decode.resolve("auto", cpu) == "flash" and split_kv_decode.resolve("flash", cpu) == "flash"
+    with pytest.raises(ValueError, match="decode_attention=split_kv needs triton and a CUDA GPU; set generator"):
+        split_kv_decode.resolve("split_kv", cpu)
+    check_config(compose("_2_sokoban", ["model=tiny"]))  # its default: auto
+    with pytest.raises(ValueError, match=r"generator.decode_attention must be one of \('auto', 'flash', 'split_kv'\), "
+                                         r"got 'paged'"):
+        check_config(compose("_2_sokoban", ["model=tiny", "generator.decode_attention=paged"]))

@@ -16,7 +16,9 @@ REPEATS = [1, 12, 3, 40]
 
 
 def hf(model, tokenizer, sampling, decoder, batch_size=8):
-    return HFGenerator(model, tokenizer, sampling, batch_size=batch_size, decoder=decoder, progress=False)
+    """The generator with flash attention's decode path (the Triton split-KV kernel has its own tests)."""
+    return HFGenerator(model, tokenizer, sampling, batch_size=batch_size, decoder=decoder, progress=False,
+                       decode_attention="flash")
 
 
 def ids(generations):

@@ -4,6 +4,8 @@
 # Wheels: vllm 0.24.0, verl 0.9.1, ray, hydra-core, omegaconf, gymnasium (scripts/offline_wheelhouse.sh with the
 # skips of docs/scale_out.md), installed into one site folder, packed as tar.xz and carried in six parts, one per
 # call, into /tmp/vxp; the call with the last part copies the tree to /tmp/repo and starts this script with setsid.
+# The repeat (metrics_verl_repeat.jsonl) was a second call after this script ended: the same BACKENDS=verl line into
+# another folder, with that folder holding a copy of metrics_local.jsonl for the table.
 export PYTHONPATH=/tmp/site:/tmp/repo PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export SPA_VERL_TIME_CALLS=1 RAY_DEDUP_LOGS=0
 O=/tmp/out; mkdir -p $O
