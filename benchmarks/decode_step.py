@@ -14,6 +14,8 @@ decoder's cache is filled by a prefill of B prompts of C random ids, then timed 
   `masked`.
 
 --attention names the decode attention kernels whose whole step is timed (`step_ms/<kernel>`; default: both).
+--split-kv-tiles SPLITxBLOCK_NxWARPS ... times the split-KV step and its attention alone with other tile sizes
+(split_kv_decode.SPLIT, BLOCK_N, NUM_WARPS), after the Liger patch when --liger is given.
 
 --profile adds a torch.profiler table (eager steps, no CUDA graph) of the kernels by GPU time. --liger also times
 prefill and step (and profiles) of the model as `generator.liger_kernels=true` runs it (liger_decode.py: Liger's
@@ -175,7 +177,10 @@ def main() -> None:
     parser.add_argument("--finished", type=float, default=0.0, help="share of rows that have finished (0-1)")
     parser.add_argument("--attention", nargs="+", choices=ATTENTION_KERNELS, default=list(ATTENTION_KERNELS),
                         help="decode attention kernels to time the step with (the profile uses the last)")
+    parser.add_argument("--split-kv-tiles", nargs="+", default=[], metavar="SPLITxBLOCK_NxWARPS",
+                        help="split-KV tile sizes to time, e.g. 256x64x4 128x64x4 512x128x8")
     args = parser.parse_args()
+    tile_sizes = [parse_tiles(text) for text in args.split_kv_tiles]
     if not torch.cuda.is_available():
         raise SystemExit("decode_step.py needs a CUDA GPU")
     from SPA_agent.trainer.packing import avoid_cudnn_attention
@@ -209,6 +214,30 @@ def main() -> None:
             print(json.dumps(row), flush=True)
         if args.profile:
             print(profile_table(model, args, max(args.contexts), liger=True), flush=True)
+    for tiles in tile_sizes:
+        time_tiles(model, args, tiles)
+
+
+def parse_tiles(text: str) -> tuple[int, int, int]:
+    """`SPLITxBLOCK_NxWARPS` → (split, block_n, warps); BLOCK_N and WARPS powers of two, as Triton needs."""
+    try:
+        split, block_n, warps = (int(part) for part in text.split("x"))
+    except ValueError:
+        raise SystemExit(f"--split-kv-tiles takes SPLITxBLOCK_NxWARPS, e.g. 256x64x4; got {text!r}") from None
+    if split < 1 or block_n < 16 or block_n & (block_n - 1) or warps < 1 or warps & (warps - 1):
+        raise SystemExit(f"--split-kv-tiles {text}: SPLIT ≥ 1, BLOCK_N a power of two ≥ 16, WARPS a power of two")
+    return split, block_n, warps
+
+
+def time_tiles(model, args, tiles: tuple[int, int, int]) -> None:
+    """The split-KV step and attention at each context with these tile sizes."""
+    split_kv_decode.SPLIT, split_kv_decode.BLOCK_N, split_kv_decode.NUM_WARPS = tiles
+    for context in args.contexts:
+        _, step_ms = time_step(model, args, context, liger=args.liger, attention="split_kv")
+        with torch.inference_mode():
+            attention_ms = attention_times(model.config, args, context)["split_kv"]
+        print(json.dumps({"tiles": "x".join(map(str, tiles)), "liger": args.liger, "context": context, "step_ms": round(step_ms, 3),
+                          "attention_ms": round(attention_ms, 4)}), flush=True)
 
 
 if __name__ == "__main__":

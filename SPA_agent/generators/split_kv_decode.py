@@ -31,6 +31,8 @@ import torch
 SPLIT = 256
 #: keys per inner block of a program
 BLOCK_N = 64
+#: warps per program of either kernel
+NUM_WARPS = 4
 #: tl.dot needs at least 16 rows: the G query heads of a key/value head are padded to this
 MIN_GROUP_ROWS = 16
 
@@ -155,9 +157,11 @@ def split_kv_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         query, key, value, kv_lengths, partial_out, partial_lse, scale * math.log2(math.e),
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2), num_splits,
         KV_HEADS=kv_heads, GROUP=group, GROUP_ROWS=group_rows, HEAD_DIM=head_dim, SPLIT=SPLIT, BLOCK_N=BLOCK_N,
+        num_warps=NUM_WARPS,
     )
     combine[(batch, kv_heads)](
         partial_out, partial_lse, kv_lengths, out, num_splits,
         KV_HEADS=kv_heads, GROUP=group, GROUP_ROWS=group_rows, HEAD_DIM=head_dim, SPLIT=SPLIT,
+        num_warps=NUM_WARPS,
     )
     return out
