@@ -6,6 +6,10 @@
 #
 #   OUT=smollm2_sweep STEPS=60 bash benchmarks/smollm2_sweep.sh
 #   MODE=base STEPS=300 TEST_FREQ=25 SETTINGS="$(cat settings.txt)" bash benchmarks/smollm2_sweep.sh   # issue 43's plan
+#
+# Each run gets one GPU, round-robin over the host's GPUs (GPUS: how many to use, default every GPU nvidia-smi
+# lists), so four settings on a four-GPU host run one a GPU, and more settings than GPUs share them; each run is
+# the local backend on its GPU (NGPUS=1), never verl over all of them.
 set -euo pipefail
 OUT="${OUT:-smollm2_sweep}"; [[ "$OUT" = /* ]] || OUT="$PWD/$OUT"  # relative to the caller's directory
 cd "$(dirname "$0")/.."
@@ -14,6 +18,8 @@ case "$MODE" in base|add_worldmodel) ;; *) echo "error: MODE must be base or add
 SETTINGS="${SETTINGS:-gae_lr3e-5 actor_rollout_ref.actor.optim.lr=3e-5 critic.optim.lr=1e-4
 gae_lr1e-4_kl actor_rollout_ref.actor.optim.lr=1e-4 critic.optim.lr=1e-4 actor_rollout_ref.actor.use_kl_loss=True actor_rollout_ref.actor.kl_loss_coef=0.05 actor_rollout_ref.actor.kl_loss_type=low_var_kl
 grpo_lr3e-5 algorithm.adv_estimator=grpo actor_rollout_ref.actor.optim.lr=3e-5}"
+GPUS="${GPUS:-$(nvidia-smi --list-gpus 2>/dev/null | grep -c GPU || true)}"
+case "$GPUS" in ""|*[!0-9]*) echo "error: GPUS takes a number of GPUs, got '$GPUS'" >&2; exit 2 ;; esac
 export MODEL=smollm2-135m
 mkdir -p "$OUT/logs"
 PPO=(ctx_manager.mode="$MODE" trainer.total_training_steps="$STEPS" trainer.test_freq="$TEST_FREQ"
@@ -27,9 +33,14 @@ mapfile -t DATA_STAGE <<< "$DATA_STAGE"
 python "${DATA_STAGE[@]}" > "$OUT/logs/data.log" 2>&1
 bash sft/finetune_ft.sh _2_sokoban 1 "$OUT/sft" "$OUT/data" smollm2-135m trainer.total_epochs=2 > "$OUT/logs/sft.log" 2>&1
 SFT="$(ls -d "$OUT"/sft/global_step_* | sort -V | tail -n 1)"
+run=0
 while read -r name overrides; do
+    placement=()  # one GPU a run, round-robin; none on a CPU host
+    [ "$GPUS" -gt 0 ] && placement=(CUDA_VISIBLE_DEVICES=$(( run % GPUS )) NGPUS=1)
+    echo "$name: ${placement[*]:-CPU}" >> "$OUT/logs/placement.txt"
     # shellcheck disable=SC2086
-    BASE_DIR="$OUT/ppo" bash train_ppo_sfted.sh _2_sokoban "$SFT" "$name" "${PPO[@]}" $overrides \
-        > "$OUT/logs/$name.log" 2>&1 &
+    env "${placement[@]}" BASE_DIR="$OUT/ppo" bash train_ppo_sfted.sh _2_sokoban "$SFT" "$name" "${PPO[@]}" \
+        $overrides > "$OUT/logs/$name.log" 2>&1 &
+    run=$(( run + 1 ))
 done <<< "$SETTINGS"
 wait

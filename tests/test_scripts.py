@@ -136,6 +136,8 @@ def test_run_baseline_trains_from_the_base_model_and_prints_the_summary(tmp_path
     ("benchmarks/smollm2_step.sh", (), {}, "usage: bash benchmarks/smollm2_step.sh <out>"),
     ("benchmarks/smollm2_sweep.sh", (), {"MODE": "wm", "OUT": "/nonexistent/out"},
      "MODE must be base or add_worldmodel, got 'wm'"),
+    ("benchmarks/smollm2_sweep.sh", (), {"GPUS": "all", "OUT": "/nonexistent/out"},
+     "GPUS takes a number of GPUs, got 'all'"),
     ("benchmarks/smollm2_step.sh", ("/nonexistent/out", "/nonexistent/data"), {},
      "'/nonexistent/data' holds no wm_train.parquet"),
 ])
