@@ -71,7 +71,7 @@ def _kernels():
                   num_splits,
                   KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr,
                   HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
-        row, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        row, head, split = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)  # int64: large caches
         length = tl.load(lengths + row)
         start = split * SPLIT
         if start < length:
@@ -107,7 +107,7 @@ def _kernels():
     def _combine(partial_out, partial_lse, lengths, out, num_splits,
                  KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr,
                  HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr):
-        row, head = tl.program_id(0), tl.program_id(1)
+        row, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
         used = tl.cdiv(tl.load(lengths + row), SPLIT)
         g = tl.arange(0, GROUP_ROWS)
         d = tl.arange(0, HEAD_DIM)
