@@ -27,6 +27,8 @@ import os
 
 import torch
 
+from SPA_agent.generators.static_decode import ATTENTION_KERNELS
+
 #: keys per split: a row of L keys is read by ceil(L / SPLIT) programs
 SPLIT = 256
 #: keys per inner block of a program
@@ -38,7 +40,7 @@ MIN_GROUP_ROWS = 16
 
 
 #: generator.decode_attention: `auto` is split_kv on a CUDA GPU where triton is installed, flash elsewhere
-SETTINGS = ("auto", "flash", "split_kv")
+SETTINGS = ("auto", *ATTENTION_KERNELS)
 
 
 def available() -> bool:
@@ -53,7 +55,7 @@ def resolve(setting: str, device: torch.device) -> str:
         raise ValueError(f"generator.decode_attention must be one of {SETTINGS}, got {setting!r}")
     if setting == "auto":
         return "split_kv" if device.type == "cuda" and available() else "flash"
-    if setting == "split_kv" and not (available() and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET"))):
+    if setting == "split_kv" and not (available() and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")):
         raise ValueError("generator.decode_attention=split_kv needs triton and a CUDA GPU; "
                          "set generator.decode_attention=flash")
     return setting

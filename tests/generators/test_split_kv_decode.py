@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from interpreted_split_kv import decode_inputs, generations  # the same inputs and decoder runs
+from interpreted_split_kv import SHAPES, decode_inputs, generations  # the same inputs and decoder runs
 
 from SPA_agent.generators import SamplingParams, split_kv_decode
 from SPA_agent.generators.static_decode import StaticDecoder, masked_decode
@@ -42,10 +42,6 @@ def test_decoder_under_the_interpreter_samples_what_its_cpu_attention_samples():
     run_interpreted("slow")
 
 
-# the GPU tests' shapes: SmolLM2's 9/3 heads, Qwen2.5-0.5B's 14/2
-GPU_SHAPES = [(5, 9, 3, 64, 600), (3, 14, 2, 64, 300)]
-
-
 def test_unsupported_head_sizes_and_layouts_are_one_line_errors():
     query, key, value, kv_lengths = decode_inputs(2, 4, 2, 24, 40)
     with pytest.raises(ValueError, match="power-of-two head size of at least 16, got 24"):
@@ -58,7 +54,7 @@ def test_unsupported_head_sizes_and_layouts_are_one_line_errors():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled Triton kernels need a CUDA GPU")
-@pytest.mark.parametrize("shape", GPU_SHAPES, ids=["smollm2", "qwen0.5b"])
+@pytest.mark.parametrize("shape", SHAPES[:2], ids=["smollm2", "qwen0.5b"])  # their 9/3 and 14/2 heads
 def test_kernels_on_gpu_equal_the_masked_reference(shape):
     query, key, value, kv_lengths = decode_inputs(*shape, device="cuda", dtype=torch.bfloat16)
     output = split_kv_decode.split_kv_decode(query, key, value, kv_lengths, scaling=0.125)
