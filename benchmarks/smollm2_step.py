@@ -10,6 +10,7 @@ of each phase over the steady steps (all but the first), their sum (`total`) and
 
     python benchmarks/smollm2_step.py --model-path <sft checkpoint> --steps 4 --json out.json
     python benchmarks/smollm2_step.py --model-path <dir> --profile step   # + operator tables of one more step
+    python benchmarks/smollm2_step.py --model-path <dir> --profile train  # the same, its training passes alone
     python benchmarks/smollm2_step.py --smoke                             # CI size: tiny model on CPU
 """
 
@@ -70,16 +71,29 @@ class TimedGenerator:
 
 
 def profiled(trainer, what: str, step: int) -> None:
-    """One more rollout or PPO step under torch's profiler; prints its operator tables."""
+    """One more rollout (gen), PPO step (step) or PPO step whose rollout runs unprofiled (train: the training
+    passes alone, without the ~300k events of the decode loop) under torch's profiler; prints its operator tables."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities) as prof:
-        if what == "gen":
+    prof = profile(activities=activities)
+    if what == "gen":
+        with prof:
             trainer.proxy.rollout(val=False)
-        else:
+            sync()
+    elif what == "step":
+        with prof:
             trainer.train_step(step, PhaseTimer())
+            sync()
+    else:
+        def start_after_gen(phase: str, seconds: float) -> None:
+            if phase == "gen":
+                sync()
+                prof.start()
+
+        trainer.train_step(step, PhaseTimer(report=start_after_gen))
         sync()
+        prof.stop()
     averages = prof.key_averages()
     for sort in (("self_cuda_time_total",) if torch.cuda.is_available() else ()) + ("self_cpu_time_total",):
         print(f"profile of one {what} by {sort}\n"
@@ -105,8 +119,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="PPO steps (the first is not steady state)")
     parser.add_argument("--val-samples", type=int, default=4, help="samples per validation puzzle (128 puzzles)")
     parser.add_argument("--no-val", action="store_true", help="skip the timed validation")
-    parser.add_argument("--profile", choices=("gen", "step"),
-                        help="after the timed steps, one more rollout (gen) or PPO step (step) under torch's profiler: "
+    parser.add_argument("--profile", choices=("gen", "step", "train"),
+                        help="after the timed steps, one more rollout (gen), PPO step (step) or PPO step profiled "
+                             "from the end of its rollout (train: the training passes alone) under torch's profiler: "
                              "its operator tables by own GPU time and by own CPU time (the footers' totals tell how "
                              "long the GPU sat idle)")
     parser.add_argument("--json", type=Path, help="also write every line to this file (a JSON list)")

@@ -9,7 +9,10 @@
 #
 # Each run gets one GPU, round-robin over the host's GPUs (GPUS: how many to use, default every GPU nvidia-smi
 # lists), so four settings on a four-GPU host run one a GPU, and more settings than GPUs share them; each run is
-# the local backend on its GPU (NGPUS=1), never verl over all of them.
+# the local backend on its GPU (NGPUS=1), never verl over all of them. The SFT before them runs on the first SFT_GPUS
+# GPUs (default 1; torchrun, one rank a GPU): its steps are short, so a multi-GPU host gets its arms started sooner.
+# Checkpoints every SAVE_FREQ steps (default TEST_FREQ; 0: only at the last step, for a host that is given back
+# before a run could resume from them).
 set -euo pipefail
 OUT="${OUT:-smollm2_sweep}"; [[ "$OUT" = /* ]] || OUT="$PWD/$OUT"  # relative to the caller's directory
 cd "$(dirname "$0")/.."
@@ -20,10 +23,12 @@ gae_lr1e-4_kl actor_rollout_ref.actor.optim.lr=1e-4 critic.optim.lr=1e-4 actor_r
 grpo_lr3e-5 algorithm.adv_estimator=grpo actor_rollout_ref.actor.optim.lr=3e-5}"
 GPUS="${GPUS:-$(nvidia-smi --list-gpus 2>/dev/null | grep -c GPU || true)}"
 case "$GPUS" in ""|*[!0-9]*) echo "error: GPUS takes a number of GPUs, got '$GPUS'" >&2; exit 2 ;; esac
+SFT_GPUS="${SFT_GPUS:-1}"
+case "$SFT_GPUS" in ""|0|*[!0-9]*) echo "error: SFT_GPUS takes a number of GPUs (at least 1), got '$SFT_GPUS'" >&2; exit 2 ;; esac
 export MODEL=smollm2-135m
 mkdir -p "$OUT/logs"
 PPO=(ctx_manager.mode="$MODE" trainer.total_training_steps="$STEPS" trainer.test_freq="$TEST_FREQ"
-     trainer.save_freq="$TEST_FREQ" es_manager.val.group_size="$VAL_SAMPLES")
+     trainer.save_freq="${SAVE_FREQ:-$TEST_FREQ}" es_manager.val.group_size="$VAL_SAMPLES")
 
 python -m SPA_agent.smollm2 > "$OUT/logs/convert.log" 2>&1
 # Stages 1 and 2 as run_spa.sh runs them for MODEL=smollm2-135m.
@@ -31,7 +36,8 @@ DATA_STAGE="$(python -m SPA_agent.stages data --config=_2_sokoban --model=smollm
     --output-dir="$OUT/data")" || exit 2
 mapfile -t DATA_STAGE <<< "$DATA_STAGE"
 python "${DATA_STAGE[@]}" > "$OUT/logs/data.log" 2>&1
-bash sft/finetune_ft.sh _2_sokoban 1 "$OUT/sft" "$OUT/data" smollm2-135m trainer.total_epochs=2 > "$OUT/logs/sft.log" 2>&1
+bash sft/finetune_ft.sh _2_sokoban "$SFT_GPUS" "$OUT/sft" "$OUT/data" smollm2-135m trainer.total_epochs=2 \
+    > "$OUT/logs/sft.log" 2>&1
 SFT="$(ls -d "$OUT"/sft/global_step_* | sort -V | tail -n 1)"
 run=0
 while read -r name overrides; do

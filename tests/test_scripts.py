@@ -138,6 +138,8 @@ def test_run_baseline_trains_from_the_base_model_and_prints_the_summary(tmp_path
      "MODE must be base or add_worldmodel, got 'wm'"),
     ("benchmarks/smollm2_sweep.sh", (), {"GPUS": "all", "OUT": "/nonexistent/out"},
      "GPUS takes a number of GPUs, got 'all'"),
+    ("benchmarks/smollm2_sweep.sh", (), {"SFT_GPUS": "0", "GPUS": "0", "OUT": "/nonexistent/out"},
+     "SFT_GPUS takes a number of GPUs (at least 1), got '0'"),
     ("benchmarks/smollm2_step.sh", ("/nonexistent/out", "/nonexistent/data"), {},
      "'/nonexistent/data' holds no wm_train.parquet"),
 ])

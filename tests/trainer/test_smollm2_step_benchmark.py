@@ -18,11 +18,15 @@ PHASES = {"gen", "filter", "old_log_prob", "ref", "values", "adv", "update_criti
 @pytest.mark.slow
 def test_smoke_run_times_every_phase_and_the_decoder(tmp_path):
     result = subprocess.run(
-        [sys.executable, "benchmarks/smollm2_step.py", "--smoke", "--steps", "2", "--profile", "step",
+        [sys.executable, "benchmarks/smollm2_step.py", "--smoke", "--steps", "2", "--profile", "train",
          "--json", str(tmp_path / "s.json")],
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
-    assert "profile of one step by self_cpu_time_total" in result.stdout and "Self CPU time total" in result.stdout
+    assert "profile of one train by self_cpu_time_total" in result.stdout and "Self CPU time total" in result.stdout
+    # --profile train starts the profiler when the rollout ends: the backward passes are in its table, the
+    # decoder's sampling (exponential_ draws, among its ten costliest operators) is not
+    table = result.stdout.split("profile of one train")[1]
+    assert "MmBackward0" in table and "aten::exponential_" not in table
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert json.loads((tmp_path / "s.json").read_text()) == lines
     steps = [line for line in lines if line["metric"] == "step"]
