@@ -8,8 +8,11 @@ A rollout batch is (B, T), left padded. Two independent choices (verl's names):
 - the *layout* (`use_remove_padding`): a micro-batch runs either as its padded (b, T) rows or as one packed row
   (1, L) of the rows' real tokens back to back, each keeping its own `position_ids`.
 
-Packed rows run through `packed_sdpa_attention`: per layer, one causal SDPA call per trajectory over its own
-tokens, so no token attends across a trajectory boundary and no (L, L) mask is computed over. Outputs are
+Packed rows run through `packed_sdpa_attention`: per layer, causal attention of each trajectory over its own
+tokens, so no token attends across a trajectory boundary and no (L, L) mask is computed over. On a CUDA GPU in
+bf16/fp16 that is one variable-length flash-attention call for the whole row (`varlen_flash_attention`), elsewhere
+one SDPA call per trajectory (the same attention; the loop cost a SmolLM2 PPO step on an H200 ~64 calls a layer
+and pass, with their slices, concatenations and backward copies). Outputs are
 scattered back to the padded (b, T-1) layout, so the losses see exactly the tensors of the padded path. The same
 attention serves verl's packed micro-batches without flash-attn (`verl_backend/patches.py`), which mark the
 trajectories only by restarting `position_ids`.
@@ -17,6 +20,9 @@ trajectories only by restarting `position_ids`.
 
 from __future__ import annotations
 
+import functools
+import itertools
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -99,8 +105,9 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0
     A packed row is marked by `spa_segments` (the local backend's packed forward) or, without a mask, by
     `position_ids` that restart (verl's remove-padding forward, see `packed_segments`). Query (1, H, L, D) and
     key/value (1, H_kv, L, D) are then split into the trajectories' spans, each attending causally to itself
-    only. Otherwise (padded batches, generation) this is transformers' SDPA attention with the mask it was given.
-    Returns (1, L, H, D) and no weights.
+    only: one variable-length flash-attention call where it applies (`varlen_flash_applies`), else one SDPA call
+    per span. Otherwise (padded batches, generation) this is transformers' SDPA attention with the mask it was
+    given. Returns (1, L, H, D) and no weights.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -110,14 +117,92 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0
     if segments is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    if dropout == 0.0 and varlen_flash_applies(query, key):
+        return varlen_flash_attention(query, key, value, segments, scaling), None
+    return _sdpa_loop(query, key, value, segments, scaling, dropout), None
+
+
+def varlen_flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: Sequence[int],
+                           scaling: float | None = None) -> torch.Tensor:
+    """Causal attention of each trajectory of a packed row over its own tokens, in one call of flash attention's
+    variable-length kernel (PyTorch's own, differentiable; grouped key/value heads read as they are).
+    Query (1, H, L, D), key/value (1, H_kv, L, D), `segments` the trajectories' token counts; returns (1, L, H, D)."""
+    offsets, longest = _offsets(tuple(segments), query.device)
+    output = torch.ops.aten._flash_attention_forward(
+        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), offsets, offsets, longest,
+        longest, 0.0, True, False, scale=scaling,
+    )[0]
+    return output[None]
+
+
+@functools.lru_cache(maxsize=4)
+def _offsets(segments: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, int]:
+    """(cumulative token offsets (n+1,) int32 on `device`, the longest segment): every layer of a forward asks for
+    the same row's, so they go to the device once per forward."""
+    offsets = torch.tensor([0, *itertools.accumulate(segments)], dtype=torch.int32, device=device)
+    return offsets, max(segments)
+
+
+def varlen_flash_applies(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether `varlen_flash_attention` serves these shapes here: a CUDA tensor in bf16/fp16, a head size flash
+    attention takes, grouped heads; and a first call of the kernel on this device, dtype and head layout agreed
+    with the per-trajectory SDPA loop, forward and backward (`_varlen_flash_agrees`)."""
+    heads, head_dim, kv_heads = query.shape[1], query.shape[-1], key.shape[1]
+    if not (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)):
+        return False
+    if head_dim % 8 or head_dim > 256 or heads % kv_heads:
+        return False
+    return _varlen_flash_agrees(query.device, query.dtype, heads, kv_heads, head_dim)
+
+
+@functools.cache
+def _varlen_flash_agrees(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
+    """One check per process and layout: random inputs of three trajectories through both paths; outputs and
+    input gradients must agree to the dtype's rounding. A kernel that fails or disagrees (a build without flash
+    attention, an unsupported GPU) leaves the SDPA loop in use, with one warning."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    segments = (5, 17, 42)
+    shapes = ((1, heads, sum(segments), head_dim), (1, kv_heads, sum(segments), head_dim))
+    reason = None
+    try:
+        # the first packed forward may run under no_grad (log-prob passes) or autocast: neither applies here
+        with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.type, enabled=False):
+            inputs = [torch.randn(shape, generator=generator, device=device, dtype=dtype)
+                      for shape in (shapes[0], shapes[1], shapes[1])]
+            grad_output = torch.randn(1, sum(segments), heads, head_dim, generator=generator, device=device,
+                                      dtype=dtype)
+            results = []
+            for attend in (varlen_flash_attention, _sdpa_loop):
+                leaves = [x.detach().requires_grad_() for x in inputs]
+                output = attend(*leaves, segments, head_dim ** -0.5)
+                output.backward(grad_output)
+                results.append([output, *(leaf.grad for leaf in leaves)])
+        for got, want in zip(*results, strict=True):
+            if got is None or not torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2):
+                reason = "its outputs or gradients differ from the per-trajectory SDPA loop"
+                break
+    except (RuntimeError, NotImplementedError) as error:  # no flash-attention kernel for this device or layout
+        reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    if reason is not None:
+        warnings.warn(f"packed attention: flash attention's variable-length kernel is not used on {device} "
+                      f"({dtype}, {heads}/{kv_heads} heads of {head_dim}): {reason}; one SDPA call per trajectory "
+                      "instead", stacklevel=2)
+    return reason is None
+
+
+def _sdpa_loop(query, key, value, segments, scaling=None, dropout=0.0):
+    """One causal SDPA call per trajectory of the packed row (grouped heads as transformers' SDPA attention passes
+    them); (1, L, H, D)."""
+    from torch.nn.functional import scaled_dot_product_attention
+
     outputs, start = [], 0
     for length in segments:
         span = slice(start, start + length)
-        out, _ = sdpa_attention_forward(module, query[:, :, span], key[:, :, span], value[:, :, span], None,
-                                        dropout=dropout, scaling=scaling, is_causal=True)
-        outputs.append(out)
+        outputs.append(scaled_dot_product_attention(
+            query[:, :, span], key[:, :, span], value[:, :, span], dropout_p=dropout, is_causal=True, scale=scaling,
+            enable_gqa=key.shape[1] != query.shape[1]).transpose(1, 2))
         start += length
-    return torch.cat(outputs, dim=1), None
+    return torch.cat(outputs, dim=1)
 
 
 #: (position_ids, its segments) of the last packed row seen: every layer of a forward gets the same tensor, so the

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from SPA_agent.trainer import packing
 from SPA_agent.trainer.local_backend import models as lm
 from SPA_agent.trainer.local_backend.backend import LocalBackend
 from SPA_agent.trainer.packing import (
@@ -180,3 +181,98 @@ def record_gradients(backend: LocalBackend, monkeypatch) -> dict[str, dict[str, 
             return real()
         monkeypatch.setattr(trainable, "clip_and_step", clip_and_step)
     return grads
+
+
+# ------------------------------------------------------------------ one variable-length flash call on a GPU
+
+def test_varlen_flash_serves_cuda_half_precision_only():
+    query, key = torch.zeros(1, 6, 8, 64), torch.zeros(1, 2, 8, 64)
+    assert not packing.varlen_flash_applies(query, key)  # CPU: the SDPA loop
+    assert not packing.varlen_flash_applies(query.bfloat16(), key.bfloat16())
+
+
+def test_varlen_flash_check_keeps_the_loop_where_the_kernel_fails_or_disagrees(monkeypatch):
+    """The runtime check on CPU, where flash attention has no kernel: the loop stays, with one warning; a kernel
+    that agrees with the loop (forward and backward) is accepted, one that does not is refused."""
+    check = packing._varlen_flash_agrees.__wrapped__  # uncached
+    cpu = torch.device("cpu")
+    with pytest.warns(UserWarning, match="not used on cpu .*NotImplementedError|not used on cpu .*RuntimeError"):
+        assert not check(cpu, torch.float32, 6, 2, 16)
+    monkeypatch.setattr(packing, "varlen_flash_attention", packing._sdpa_loop)
+    assert check(cpu, torch.float32, 6, 2, 16)
+    monkeypatch.setattr(packing, "varlen_flash_attention", lambda *args: 1.1 * packing._sdpa_loop(*args))
+    with pytest.warns(UserWarning, match="differ from the per-trajectory SDPA loop"):
+        assert not check(cpu, torch.float32, 6, 2, 16)
+
+
+def test_sdpa_loop_attends_within_each_trajectory_only():
+    """The CPU path: a trajectory's outputs are those of its tokens run alone (grouped heads, 6 over 2)."""
+    generator = torch.Generator().manual_seed(0)
+    segments = (3, 1, 5)
+    query, key, value = (torch.randn(1, heads, 9, 8, generator=generator) for heads in (6, 2, 2))
+    packed = packing._sdpa_loop(query, key, value, segments)
+    assert packed.shape == (1, 9, 6, 8)
+    start = 0
+    for length in segments:
+        span = slice(start, start + length)
+        alone = packing._sdpa_loop(query[:, :, span], key[:, :, span], value[:, :, span], (length,))
+        torch.testing.assert_close(packed[:, span], alone, rtol=0, atol=0)
+        start += length
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash attention's variable-length kernel needs a GPU")
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (14, 2, 64), (12, 2, 128), (4, 4, 32)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_varlen_flash_equals_the_sdpa_loop_forward_and_backward(heads, kv_heads, head_dim, dtype):
+    """The layouts of SmolLM2, Qwen2.5-0.5B/1.5B and the embedded models: the runtime check accepts the kernel,
+    and outputs and input gradients match the per-trajectory loop on rows of uneven trajectories."""
+    assert packing._varlen_flash_agrees(torch.device("cuda", torch.cuda.current_device()), dtype, heads,
+                                        kv_heads, head_dim)
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    segments = (700, 1, 33, 1290, 64)
+    length = sum(segments)
+    inputs = [torch.randn(1, n, length, head_dim, generator=generator, device="cuda", dtype=dtype)
+              for n in (heads, kv_heads, kv_heads)]
+    grad_output = torch.randn(1, length, heads, head_dim, generator=generator, device="cuda", dtype=dtype)
+    results = []
+    for attend in (packing.varlen_flash_attention, packing._sdpa_loop):
+        leaves = [x.detach().requires_grad_() for x in inputs]
+        output = attend(*leaves, segments, head_dim ** -0.5)
+        output.backward(grad_output)
+        results.append([output, *(leaf.grad for leaf in leaves)])
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash attention's variable-length kernel needs a GPU")
+def test_gpu_packed_model_uses_one_varlen_call_a_layer(tiny_dir, monkeypatch):
+    """A packed bf16 forward and backward of the embedded model on a GPU: one flash call per layer (not one per
+    trajectory), and the loss and every parameter's gradient as with the SDPA loop."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).cuda()
+    packing.enable_packed_attention(model)
+    segments = (40, 3, 77)
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, model.config.vocab_size, (1, sum(segments)), generator=generator).cuda()
+    position_ids = torch.cat([torch.arange(n) for n in segments])[None].cuda()
+
+    def loss_and_grads():
+        model.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                           **{packing.SEGMENTS_KWARG: segments}).logits
+        loss = logits.float().logsumexp(-1).mean()
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    calls = []
+    varlen = packing.varlen_flash_attention
+    monkeypatch.setattr(packing, "varlen_flash_attention", lambda *a: calls.append(1) or varlen(*a))
+    loss, grads = loss_and_grads()
+    assert len(calls) == model.config.num_hidden_layers
+    monkeypatch.setattr(packing, "varlen_flash_applies", lambda query, key: False)
+    loss_loop, grads_loop = loss_and_grads()
+    torch.testing.assert_close(loss, loss_loop, atol=2e-2, rtol=2e-2)
+    for name, grad in grads.items():  # bf16 rounding in other places: a relative error, not bitwise
+        assert (grad - grads_loop[name]).norm() <= 0.03 * grads_loop[name].norm() + 1e-6, name

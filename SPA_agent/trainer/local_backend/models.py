@@ -122,10 +122,15 @@ def _set_gradient_checkpointing(model: nn.Module, enabled: bool) -> None:
 
 def micro_batches(batch: DataProto, plan: list[list[int]], keys: tuple[str, ...], device: torch.device
                   ) -> Iterator[dict]:
-    """One dict of the given tensors on `device` per micro-batch of `plan` (row indices, see packing.py)."""
+    """One dict of the given tensors on `device` per micro-batch of `plan` (row indices, see packing.py).
+
+    Each tensor goes to the device whole, once, and is indexed there: gathering the rows of a (256, ~3k) host
+    tensor took milliseconds a key and micro-batch, about 1 s of host time a PPO step of SmolLM2 on an H200
+    (benchmarks/RESULTS.md, "the training passes' profile")."""
+    on_device = {key: batch.batch[key].to(device) for key in keys}
     for rows in plan:
-        index = torch.tensor(rows)
-        yield {key: batch.batch[key][index].to(device) for key in keys}
+        index = torch.tensor(rows, device=device)
+        yield {key: on_device[key][index] for key in keys}
 
 
 def _forward(model: nn.Module, micro: dict) -> torch.Tensor:
