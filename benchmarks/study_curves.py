@@ -1,0 +1,121 @@
+"""Learning curves of a PPO settings study side by side (benchmarks/smollm2_sweep.sh, issue 43).
+
+    python benchmarks/study_curves.py <sweep_out>/ppo/_2_sokoban --out curves.png --val-episodes 512
+
+Reads `<run>/metrics.jsonl` of every run directory there (one arm each) and draws, per PPO step and one line per
+arm: the validation success with its 95% Wilson interval over --val-episodes episodes (128 puzzles × the
+validation samples), the training success, the share of well-formed training turns, the entropy of the answer
+span, the KL to the reference model, the critic's explained variance and the step's seconds (panels no arm logs
+are left out). Prints the validation success per arm and step as a markdown table, with the intervals, and each
+arm's last step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from backend_curves import curve, wilson  # noqa: E402
+
+PANELS = (("val-env/{env}/success", "validation success"), ("train/{env}/success", "training success"),
+          ("train/diag/format_valid", "well-formed training turns"), ("diag/entropy/answer", "answer-span entropy"),
+          ("diag/kl_ref", "KL to the reference model"), ("critic/vf_explained_var", "critic explained variance"),
+          ("timing_s/step", "seconds a step"))
+
+
+def read_arms(directory: Path) -> dict[str, list[dict]]:
+    """{arm: its metrics records}, for every `<arm>/metrics.jsonl` under `directory` (a cut-short line dropped)."""
+    arms = {}
+    for path in sorted(directory.glob("*/metrics.jsonl")):
+        records = []
+        for line in path.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        arms[path.parent.name] = records
+    return arms
+
+
+def environment(arms: dict[str, list[dict]]) -> str:
+    names = {key.split("/")[1] for records in arms.values() for record in records for key in record
+             if key.startswith("val-env/") and key.endswith("/success") and key.count("/") == 2}
+    if len(names) != 1:
+        raise ValueError(f"expected the validation success of one environment, found {sorted(names) or 'none'}")
+    return names.pop()
+
+
+def panels(arms: dict[str, list[dict]]) -> list[tuple[str, str]]:
+    env = environment(arms)
+    logged = {key for records in arms.values() for record in records for key in record}
+    return [(key.format(env=env), title) for key, title in PANELS if key.format(env=env) in logged]
+
+
+def markdown(arms: dict[str, list[dict]], key: str, episodes: int) -> str:
+    steps = sorted({s for records in arms.values() for s in curve(records, key)})
+    lines = ["| arm | " + " | ".join(f"step {s}" for s in steps) + " | last step |",
+             "|---|" + "---|" * (len(steps) + 1)]
+    for name, records in arms.items():
+        values = curve(records, key)
+        cells = []
+        for step in steps:
+            if step not in values:
+                cells.append("")
+                continue
+            low, high = wilson(values[step], episodes)
+            cells.append(f"{values[step]:.3f} [{low:.3f}, {high:.3f}]")
+        last = max((r["step"] for r in records if "step" in r), default=0)
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {last} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("directory", type=Path, help="the folder holding one run directory per arm")
+    parser.add_argument("--out", type=Path, default=Path("curves.png"))
+    parser.add_argument("--val-episodes", type=int, default=512, help="episodes per validation (the interval's n)")
+    args = parser.parse_args()
+    arms = read_arms(args.directory)
+    if not arms:
+        parser.exit(2, f"error: no <arm>/metrics.jsonl under {args.directory}\n")
+    try:
+        drawn = panels(arms)
+    except ValueError as error:
+        parser.exit(2, f"error: {args.directory}: {error}\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    columns = min(4, len(drawn))
+    rows = math.ceil(len(drawn) / columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.4 * rows), squeeze=False)
+    axes = axes.ravel()
+    for ax in axes[len(drawn):]:
+        ax.set_visible(False)
+    colours = dict(zip(arms, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4))
+    for ax, (key, title) in zip(axes, drawn):
+        for name, records in arms.items():
+            values = curve(records, key)
+            steps, ys = list(values), list(values.values())
+            validation = key.startswith("val-env/")
+            ax.plot(steps, ys, marker="o" if validation else None, ms=3, lw=1.2 if validation else 0.8,
+                    color=colours[name], label=name, alpha=0.85)
+            if validation:
+                bounds = [wilson(y, args.val_episodes) for y in ys]
+                ax.fill_between(steps, [b[0] for b in bounds], [b[1] for b in bounds], color=colours[name],
+                                alpha=0.12)
+        ax.set_title(title)
+        ax.set_xlabel("PPO step")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=110)
+    print(markdown(arms, drawn[0][0], args.val_episodes))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""benchmarks/study_curves.py: the arms it reads, the panels it draws and the validation table it prints."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "study_curves.py"
+
+
+def write_arm(directory: Path, name: str, success_at_25: float, steps: int, critic: bool) -> None:
+    records = [{"step": 0, "val-env/SimpleSokoban/success": 0.035}]
+    for step in range(1, steps + 1):
+        record = {"step": step, "train/SimpleSokoban/success": 0.1, "train/diag/format_valid": 0.9,
+                  "diag/entropy/answer": 0.7, "diag/kl_ref": 0.01 * step, "timing_s/step": 9.0}
+        if critic:
+            record["critic/vf_explained_var"] = 0.05
+        if step == 25:
+            record["val-env/SimpleSokoban/success"] = success_at_25
+        records.append(record)
+    (directory / name).mkdir()
+    lines = "".join(json.dumps(r) + "\n" for r in records)
+    (directory / name / "metrics.jsonl").write_text(lines + '{"step": 99, "cut sh')  # a run stopped mid-line
+
+
+def test_arms_side_by_side_with_wilson_intervals(tmp_path):
+    write_arm(tmp_path, "gae", 0.25, 30, critic=True)
+    write_arm(tmp_path, "grpo", 0.5, 26, critic=False)
+    result = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "--out", str(tmp_path / "c.png"),
+                             "--val-episodes", "512"], capture_output=True, text=True, check=True)
+    lines = result.stdout.splitlines()
+    assert lines[0] == "| arm | step 0 | step 25 | last step |"
+    # 0.035 of 512: Wilson [0.022, 0.055]; 0.25: [0.214, 0.289]; 0.5: [0.457, 0.543]
+    assert "| gae | 0.035 [0.022, 0.055] | 0.250 [0.214, 0.289] | 30 |" in lines
+    assert "| grpo | 0.035 [0.022, 0.055] | 0.500 [0.457, 0.543] | 26 |" in lines
+    assert (tmp_path / "c.png").stat().st_size > 0
+
+
+def test_panels_are_those_some_arm_logs(tmp_path):
+    sys.path.insert(0, str(SCRIPT.parent))
+    import study_curves
+
+    write_arm(tmp_path, "grpo", 0.5, 26, critic=False)
+    titles = [title for _, title in study_curves.panels(study_curves.read_arms(tmp_path))]
+    assert titles == ["validation success", "training success", "well-formed training turns",
+                      "answer-span entropy", "KL to the reference model", "seconds a step"]  # no critic
+
+
+def test_no_arms_is_a_one_line_error(tmp_path):
+    result = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)], capture_output=True, text=True)
+    assert result.returncode == 2 and result.stderr.strip() == f"error: no <arm>/metrics.jsonl under {tmp_path}"
