@@ -65,13 +65,16 @@ def shifted_labels(sample: SftSample) -> torch.Tensor:
 
 def collate_packed(samples: Sequence[SftSample], pad_id: int,
                    pad_to_multiple: int = 0) -> dict[str, torch.Tensor]:
-    """One packed row. input_ids, position_ids, labels: (1, L), L = total tokens (1 for an empty micro-batch).
+    """One packed row. input_ids, position_ids, labels: (1, L), L = total tokens, rounded up as below.
 
     `pad_to_multiple` > 0 appends an untrained filler segment (its own positions, so nothing attends across
-    it) up to the next multiple: few distinct shapes for compiled attention kernels.
+    it) up to the next multiple: few distinct shapes for compiled attention kernels. An empty micro-batch (a rank
+    with fewer bins than another, `_balance`) is one untrained filler segment of `pad_to_multiple` tokens, or of
+    1 token without padding: every rank still runs its forward, with no loss tokens.
     """
     total = sum(len(s) for s in samples)
-    filler = (-(-total // pad_to_multiple) * pad_to_multiple if pad_to_multiple > 0 else 1) - total
+    width = -(-total // pad_to_multiple) * pad_to_multiple if pad_to_multiple > 0 else total
+    filler = max(width, pad_to_multiple, 1) - total
     if filler > 0:
         pad = torch.full((filler,), pad_id)
         samples = [*samples, SftSample(pad, torch.zeros_like(pad))]

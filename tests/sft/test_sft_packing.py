@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from sft_fixtures import synthetic_rows, write_rows
 
 from sft.packing import (
+    IGNORE_INDEX,
     collate_packed,
     collate_padded,
     count_loss_tokens,
@@ -99,3 +100,23 @@ def test_empty_micro_batch_has_no_loss_tokens(tiny_dir):
     batch = collate_packed([], pad_id=0)
     assert count_loss_tokens(batch) == 0
     assert token_loss_sum(model, batch).item() == 0.0
+
+
+@pytest.mark.parametrize("pad_to_multiple, width", [(0, 1), (64, 64)])
+def test_empty_micro_batch_is_one_untrained_filler_segment(pad_to_multiple, width):
+    """A rank with fewer bins than another gets an empty micro-batch (`_balance`); with pad_to_multiple > 0
+    (flex attention's 512 on GPU) it used to be 0 tokens wide and torch.cat([]) failed on that rank."""
+    batch = collate_packed([], pad_id=7, pad_to_multiple=pad_to_multiple)
+    assert {k: tuple(v.shape) for k, v in batch.items()} == {
+        "input_ids": (1, width), "position_ids": (1, width), "labels": (1, width)}
+    assert batch["input_ids"].eq(7).all()
+    assert batch["position_ids"].tolist() == [list(range(width))]
+    assert batch["labels"].eq(IGNORE_INDEX).all()
+    assert count_loss_tokens(batch) == 0
+
+
+def test_padded_rows_round_up_to_the_multiple(samples):
+    total = len(samples[0]) + len(samples[1])
+    batch = collate_packed(samples[:2], pad_id=0, pad_to_multiple=64)
+    assert batch["input_ids"].shape == (1, -(-total // 64) * 64)
+    assert count_loss_tokens(batch) == count_loss_tokens(collate_packed(samples[:2], pad_id=0))

@@ -130,6 +130,32 @@ def test_two_process_torchrun_matches_one_process(full_run, data_dir, tmp_path):
         assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-3)
 
 
+@pytest.mark.slow
+def test_two_ranks_with_an_empty_padded_micro_batch_match_one_rank(data_dir, tmp_path):
+    """A 4-row batch in one bin leaves rank 1 an empty micro-batch each step (and in validation); with packed rows
+    padded to a multiple (flex attention's 512 on GPU) that rank failed in torch.cat([]) (on 2 H200s). Its filler
+    row must run the forward and add nothing: losses and gradient norms are those of one rank."""
+    extra = ("data.max_tokens_per_micro_batch=4096", "data.pad_packed_to_multiple=64", "trainer.total_training_steps=2")
+    one = tmp_path / "one"
+    cfg = compose(overrides(data_dir, one, *extra))
+    trainer = SftTrainer(cfg, rank=0, world_size=2)
+    trainer.model_path = resolve_model_path("tiny")
+    trainer._build_data()
+    plan = trainer._plan(trainer.epoch_order(0)[:4], trainer.train_data)
+    assert [len(m) for rank in plan for m in rank] == [4, 0]  # rank 1: one empty micro-batch
+    run(cfg)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "-m", "sft.spa_sft_trainer", *overrides(data_dir, tmp_path / "two", *extra)]
+    result = subprocess.run(command, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (first_one, last_one), (first_two, last_two) = records(one), records(tmp_path / "two")
+    for a, b in ((first_one, first_two), (last_one, last_two)):
+        assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-4)
+        assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-3)
+    assert last_two["val/loss"] == pytest.approx(last_one["val/loss"], rel=1e-4)
+
+
 @pytest.mark.parametrize("extra, message", [
     (["data.train_batch_size=3", "data.packing=false", "data.micro_batch_size_per_gpu=2"],
      "data.train_batch_size=3 is not divisible by ranks × data.micro_batch_size_per_gpu = 2"),
