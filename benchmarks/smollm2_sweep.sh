@@ -36,7 +36,11 @@ DATA_STAGE="$(python -m SPA_agent.stages data --config=_2_sokoban --model=smollm
     --output-dir="$OUT/data")" || exit 2
 mapfile -t DATA_STAGE <<< "$DATA_STAGE"
 python "${DATA_STAGE[@]}" > "$OUT/logs/data.log" 2>&1
-bash sft/finetune_ft.sh _2_sokoban "$SFT_GPUS" "$OUT/sft" "$OUT/data" smollm2-135m trainer.total_epochs=2 \
+# the preset's SFT defaults, as run_spa.sh passes them (2 epochs, packed attention: nothing to compile)
+. scripts/common.sh
+model_settings smollm2-135m
+# shellcheck disable=SC2086
+bash sft/finetune_ft.sh _2_sokoban "$SFT_GPUS" "$OUT/sft" "$OUT/data" smollm2-135m $MODEL_SFT_DEFAULTS \
     > "$OUT/logs/sft.log" 2>&1
 SFT="$(ls -d "$OUT"/sft/global_step_* | sort -V | tail -n 1)"
 run=0
