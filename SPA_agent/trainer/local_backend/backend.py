@@ -192,10 +192,11 @@ class LocalBackend:
 
     @staticmethod
     def _in_batch_order(parts: list[torch.Tensor], plan: list[list[int]]) -> torch.Tensor:
-        """Micro-batch outputs (in plan order) back in the batch's row order."""
+        """Micro-batch outputs (in plan order, on the device) back in the batch's row order, on the host: one copy
+        to the host a pass, so the host does not wait for each micro-batch before it queues the next."""
         out = torch.cat(parts)
-        order = torch.tensor([row for rows in plan for row in rows])
-        return out[torch.argsort(order)]
+        order = torch.tensor([row for rows in plan for row in rows], device=out.device)
+        return out[torch.argsort(order)].cpu()
 
     @torch.no_grad()
     def _log_probs(self, model: nn.Module, batch: DataProto, plan: list[list[int]], with_entropy: bool):
@@ -205,8 +206,8 @@ class LocalBackend:
         for mb in lm.micro_batches(batch, plan, lm.MODEL_INPUT_KEYS, device):
             with lm.autocast(device):
                 lp, ent = lm.token_log_probs(model, mb, self.temperature, with_entropy, packed=self.packed_actor)
-            log_probs.append(lp.cpu())
-            entropies.append(ent.cpu() if ent is not None else None)
+            log_probs.append(lp)
+            entropies.append(ent)
         return (self._in_batch_order(log_probs, plan),
                 self._in_batch_order(entropies, plan) if with_entropy else None)
 
@@ -239,7 +240,7 @@ class LocalBackend:
         values = []
         for mb in lm.micro_batches(batch, plan, keys, self.device):
             with lm.autocast(self.device):
-                values.append((lm.token_values(model, mb, packed=self.packed_critic) * mb["response_mask"]).cpu())
+                values.append(lm.token_values(model, mb, packed=self.packed_critic) * mb["response_mask"])
         return DataProto.from_dict(tensors={"values": self._in_batch_order(values, plan)})
 
     # ---------------------------------------------------------------- updates
