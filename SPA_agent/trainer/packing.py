@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import threading
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -159,35 +160,48 @@ def varlen_flash_applies(query: torch.Tensor, key: torch.Tensor) -> bool:
 def _varlen_flash_agrees(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
     """One check per process and layout: random inputs of three trajectories through both paths; outputs and
     input gradients must agree to the dtype's rounding. A kernel that fails or disagrees (a build without flash
-    attention, an unsupported GPU) leaves the SDPA loop in use, with one warning."""
-    generator = torch.Generator(device=device).manual_seed(0)
-    segments = (5, 17, 42)
-    shapes = ((1, heads, sum(segments), head_dim), (1, kv_heads, sum(segments), head_dim))
-    reason = None
-    try:
-        # the first packed forward may run under no_grad (log-prob passes) or autocast: neither applies here
-        with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.type, enabled=False):
-            inputs = [torch.randn(shape, generator=generator, device=device, dtype=dtype)
-                      for shape in (shapes[0], shapes[1], shapes[1])]
-            grad_output = torch.randn(1, sum(segments), heads, head_dim, generator=generator, device=device,
-                                      dtype=dtype)
-            results = []
-            for attend in (varlen_flash_attention, _sdpa_loop):
-                leaves = [x.detach().requires_grad_() for x in inputs]
-                output = attend(*leaves, segments, head_dim ** -0.5)
-                output.backward(grad_output)
-                results.append([output, *(leaf.grad for leaf in leaves)])
-        for got, want in zip(*results, strict=True):
-            if got is None or not torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2):
-                reason = "its outputs or gradients differ from the per-trajectory SDPA loop"
-                break
-    except (RuntimeError, NotImplementedError) as error:  # no flash-attention kernel for this device or layout
-        reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    attention, an unsupported GPU) leaves the SDPA loop in use, with one warning.
+
+    The check runs in a thread of its own: the first packed forward may run under no_grad, autocast or activation
+    checkpointing (whose saved-tensor hooks would take over the check's backward pass), all of which are state of
+    the calling thread."""
+    outcome: list[str | None] = []
+    worker = threading.Thread(target=lambda: outcome.append(_varlen_flash_mismatch(device, dtype, heads, kv_heads,
+                                                                                   head_dim)))
+    worker.start()
+    worker.join()
+    reason = outcome[0] if outcome else "the check did not finish"
     if reason is not None:
         warnings.warn(f"packed attention: flash attention's variable-length kernel is not used on {device} "
                       f"({dtype}, {heads}/{kv_heads} heads of {head_dim}): {reason}; one SDPA call per trajectory "
                       "instead", stacklevel=2)
     return reason is None
+
+
+def _varlen_flash_mismatch(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
+                           head_dim: int) -> str | None:
+    """Why `varlen_flash_attention` cannot stand in for the SDPA loop here, or None where it can."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    segments = (5, 17, 42)
+    length = sum(segments)
+    try:
+        inputs = [torch.randn(1, n, length, head_dim, generator=generator, device=device, dtype=dtype)
+                  for n in (heads, kv_heads, kv_heads)]
+        grad_output = torch.randn(1, length, heads, head_dim, generator=generator, device=device, dtype=dtype)
+        results = []
+        for attend in (varlen_flash_attention, _sdpa_loop):
+            leaves = [x.detach().requires_grad_() for x in inputs]
+            output = attend(*leaves, segments, head_dim ** -0.5)
+            output.backward(grad_output)
+            results.append([output, *(leaf.grad for leaf in leaves)])
+    except (RuntimeError, NotImplementedError) as error:  # no flash-attention kernel for this device or layout
+        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    for got, want in zip(*results, strict=True):
+        if got is None or not torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2):
+            return "its outputs or gradients differ from the per-trajectory SDPA loop"
+    return None
 
 
 def _sdpa_loop(query, key, value, segments, scaling=None, dropout=0.0):

@@ -205,6 +205,29 @@ def test_varlen_flash_check_keeps_the_loop_where_the_kernel_fails_or_disagrees(m
         assert not check(cpu, torch.float32, 6, 2, 16)
 
 
+def test_varlen_flash_check_runs_apart_from_the_callers_autograd_state(monkeypatch):
+    """The first packed forward can run under no_grad or inference mode (log-prob passes) or inside activation
+    checkpointing (an SFT with gradient checkpointing): the check's own backward pass still runs, and the
+    checkpointed layer's gradient is untouched."""
+    check = packing._varlen_flash_agrees.__wrapped__
+    monkeypatch.setattr(packing, "varlen_flash_attention", packing._sdpa_loop)  # a kernel that agrees
+    cpu = torch.device("cpu")
+    with torch.no_grad():
+        assert check(cpu, torch.float32, 6, 2, 16)
+    with torch.inference_mode():
+        assert check(cpu, torch.float32, 6, 2, 16)
+    outcomes = []
+
+    def layer(x):
+        outcomes.append(check(cpu, torch.float32, 6, 2, 16))
+        return x * x  # saves x: the backward pass recomputes the layer
+
+    x = torch.ones(3, requires_grad=True)
+    torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False).sum().backward()
+    assert outcomes == [True, True]  # the forward, then its recomputation in the backward pass
+    assert x.grad.tolist() == [2.0, 2.0, 2.0]
+
+
 def test_sdpa_loop_attends_within_each_trajectory_only():
     """The CPU path: a trajectory's outputs are those of its tokens run alone (grouped heads, 6 over 2)."""
     generator = torch.Generator().manual_seed(0)
