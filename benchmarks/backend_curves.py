@@ -77,6 +77,21 @@ def markdown(runs: dict[str, list[dict]], episodes: int) -> str:
     return "\n".join(lines)
 
 
+def panel_grid(count: int, columns: int):
+    """A matplotlib figure (Agg) of `count` panels in rows of `columns`; (figure, the panels' axes in order)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = math.ceil(count / columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.4 * rows), squeeze=False)
+    axes = axes.ravel()
+    for ax in axes[count:]:
+        ax.set_visible(False)
+    return fig, axes[:count]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("directory", type=Path)
@@ -90,17 +105,7 @@ def main() -> None:
         drawn = panels(runs)
     except ValueError as error:
         parser.exit(2, f"error: {args.directory}: {error}\n")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    columns = len(drawn) if len(drawn) <= 4 else math.ceil(len(drawn) / 2)
-    rows = math.ceil(len(drawn) / columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.4 * rows), squeeze=False)
-    axes = axes.ravel()
-    for ax in axes[len(drawn):]:
-        ax.set_visible(False)
+    fig, axes = panel_grid(len(drawn), len(drawn) if len(drawn) <= 4 else math.ceil(len(drawn) / 2))
     for ax, (key, title) in zip(axes, drawn):
         for name, records in runs.items():
             values = curve(records, key)

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from backend_curves import curve, wilson  # noqa: E402
+from backend_curves import curve, panel_grid, wilson  # noqa: E402
 
 PANELS = (("val-env/{env}/success", "validation success"), ("train/{env}/success", "training success"),
           ("train/diag/format_valid", "well-formed training turns"), ("diag/entropy/answer", "answer-span entropy"),
@@ -86,17 +85,9 @@ def main() -> None:
         drawn = panels(arms)
     except ValueError as error:
         parser.exit(2, f"error: {args.directory}: {error}\n")
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    columns = min(4, len(drawn))
-    rows = math.ceil(len(drawn) / columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.4 * rows), squeeze=False)
-    axes = axes.ravel()
-    for ax in axes[len(drawn):]:
-        ax.set_visible(False)
+    fig, axes = panel_grid(len(drawn), min(4, len(drawn)))
     colours = dict(zip(arms, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4))
     for ax, (key, title) in zip(axes, drawn):
         for name, records in arms.items():
