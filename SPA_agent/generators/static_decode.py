@@ -7,8 +7,8 @@ dominates decoding time for GQA models at large batch. Here:
 - the cache holds keys/values as (B, L, H_kv, D) per layer (flash attention's layout), L = longest prompt +
   max_new_tokens; row b keeps its prompt at positions [0, n_b) and its t-th new token at n_b + t, so the keys a
   row attends to are always a prefix of its row, of length `kv_lengths[b]`;
-- prefill runs the prompts right-padded (row chunks of at most PREFILL_TOKENS tokens, each chunk as wide as its
-  longest prompt) causally, without a mask, so SDPA takes its flash kernel; the first new token's logits come
+- prefill runs the prompts right-padded (row chunks of at most PREFILL_TOKENS tokens, longest prompts first, each
+  chunk as wide as its longest prompt) causally, without a mask, so SDPA takes its flash kernel; the first new token's logits come
   from each row's last prompt position;
 - each decode step feeds one token per sequence. On an Ampere or newer GPU with bf16/fp16 weights, attention is
   flash attention's variable-length kernel reading each row's first `kv_lengths[b]` keys (`seqused_k`); the G
@@ -176,14 +176,14 @@ class StaticKVCache(_cache_base()):
 
     Implements the part of transformers' Cache API that attention layers use (`update`); it subclasses `Cache`
     only so that type checks in model code accept it, and initialises none of its dynamic state.
-    While `prefill_rows` is a slice, the prompts' keys/values go to those rows at positions [0, P) and are
+    While `prefill_rows` is set (row indices), the prompts' keys/values go to those rows at positions [0, P) and are
     returned as they are; a decode step writes row b's key/value at flat position `write_rows[b]` = b·L + its
     position (a (B,) tensor, updated in place between CUDA-graph replays) and returns the buffers.
     """
 
     def __init__(self, batch: int, max_len: int, write_rows: torch.Tensor):
         self.batch, self.max_len, self.write_rows = batch, max_len, write_rows
-        self.prefill_rows: slice | None = None
+        self.prefill_rows: torch.Tensor | None = None
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
 
@@ -196,8 +196,8 @@ class StaticKVCache(_cache_base()):
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         if self.prefill_rows is not None:
             width = key_states.shape[2]
-            keys[self.prefill_rows, :width].copy_(key_states.transpose(1, 2))
-            values[self.prefill_rows, :width].copy_(value_states.transpose(1, 2))
+            keys[self.prefill_rows, :width] = key_states.transpose(1, 2)
+            values[self.prefill_rows, :width] = value_states.transpose(1, 2)
             return key_states, value_states
         flat = (self.batch * self.max_len, *keys.shape[2:])
         keys.view(flat).index_copy_(0, self.write_rows, key_states[:, :, 0])
@@ -372,18 +372,21 @@ class StaticDecoder:
         return self._state
 
     def _prefill(self, state: _DecodeState, prompts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """Run the right-padded prompts (B, P) causally in row chunks of at most PREFILL_TOKENS tokens, each chunk
-        cut to its longest prompt, filling the cache; (B, V) logits of the first new token."""
+        """Run the right-padded prompts (B, P) causally in row chunks of at most PREFILL_TOKENS tokens, longest
+        prompts first, each chunk cut to its own longest prompt, filling the cache; (B, V) logits of the first new
+        token, in the rows' order. Chunks of similar lengths run little padding: a turn's histories differ by
+        their earlier answers (up to the token cap each), so a chunk of rows in batch order was mostly as wide as
+        the longest prompt of the batch."""
         decoder, head = self.model.get_decoder(), self.model.get_output_embeddings()
         host_lengths = lengths.tolist()
+        order = sorted(range(len(host_lengths)), key=lambda row: -host_lengths[row])
         logits, start = [], 0
         try:
-            while start < len(host_lengths):
-                # rows of at most PREFILL_TOKENS tokens at the longest remaining prompt (rows need not be sorted)
-                chunk = slice(start, start + max(1, PREFILL_TOKENS // max(host_lengths[start:])))
-                width = max(host_lengths[chunk])
-                state.cache.prefill_rows = chunk
-                input_ids = prompts[chunk, :width]
+            while start < len(order):
+                width = host_lengths[order[start]]
+                rows = torch.tensor(order[start : start + max(1, PREFILL_TOKENS // width)], device=self.device)
+                state.cache.prefill_rows = rows
+                input_ids = prompts[rows, :width]
                 self.stats.prefill_tokens += input_ids.numel()
                 hidden = decoder(
                     input_ids=input_ids,
@@ -391,12 +394,13 @@ class StaticDecoder:
                     past_key_values=state.cache,
                     use_cache=True,
                 ).last_hidden_state
-                last = hidden[torch.arange(hidden.shape[0], device=self.device), lengths[chunk] - 1]
+                last = hidden[torch.arange(hidden.shape[0], device=self.device), lengths[rows] - 1]
                 logits.append(head(last).float())
-                start = chunk.stop
+                start += len(rows)
         finally:
             state.cache.prefill_rows = None
-        return torch.cat(logits)
+        order = torch.tensor(order, device=self.device)
+        return torch.cat(logits)[torch.argsort(order)]
 
     def _decode(
         self,

@@ -230,6 +230,24 @@ def test_prefill_in_row_chunks_equals_one_prefill(varied_model, tiny_tokenizer, 
     assert ids(hf(varied_model, tiny_tokenizer, greedy, "static", batch_size=None).generate(prompts)) == whole
 
 
+def test_prefill_chunks_take_the_longest_prompts_first(varied_model, tiny_tokenizer, prompts_of_lengths,
+                                                        monkeypatch):
+    """Prefill chunks hold prompts of similar lengths, longest first, each as wide as its own longest prompt;
+    the greedy tokens are those of one prefill of the whole batch, in the batch's order."""
+    from SPA_agent.generators import static_decode
+
+    prompts = prompts_of_lengths(REPEATS)  # lengths 1 < 12 < 3 < 40 repeats, not in batch order
+    lengths = sorted((len(p.prompt_ids) for p in prompts), reverse=True)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    whole = ids(hf(varied_model, tiny_tokenizer, greedy, "static", batch_size=None).generate(prompts))
+    monkeypatch.setattr(static_decode, "PREFILL_TOKENS", 2 * lengths[0])  # two of the longest prompts a chunk
+    generator = hf(varied_model, tiny_tokenizer, greedy, "static", batch_size=None)
+    assert ids(generator.generate(prompts)) == whole
+    # chunks {40, 12} and {3, 1} repeats: 2 rows as wide as the longest prompt, then 2 as wide as the third
+    # (in batch order they were {1, 12} and {3, 40}, the second as wide as the longest)
+    assert generator._static.stats.prefill_tokens == 2 * lengths[0] + 2 * lengths[2]
+
+
 def test_auto_limits_on_cpu_are_64_sequences_and_no_token_limit(varied_model, tiny_tokenizer):
     generator = HFGenerator(varied_model, tiny_tokenizer, SamplingParams(), batch_size="auto",
                             max_batch_tokens="auto")
