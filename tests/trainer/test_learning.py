@@ -13,7 +13,13 @@ each did to this test).
 
 The multi-turn case plays the same bandit for three pulls, one per turn, and succeeds only when all three pull
 the paying arm: the agent proxy's multi-turn context, the masks of every assistant turn and the returns across
-turns (GAE with gamma = lambda = 1) must all work for PPO to get there.
+turns (GAE with gamma = lambda = 1) must all work for PPO to get there. It starts from the one-turn case's SFT
+checkpoint, whose answer format holds in every turn (each pull at chance, so about 0.15 success at step 0).
+
+Four critic-free estimators (RLOO, REINFORCE++ and its baseline variant, Dr. GRPO) run only with
+`pytest -m extended`: they take GRPO's path through the trainer (an outcome score, `algos.compute_advantages`,
+the same actor loss), which the grpo case covers here, and their advantages, Dr. GRPO's preset and its loss
+aggregation are pinned on hand-computed values by tests/trainer/test_outcome_estimators.py.
 """
 
 from __future__ import annotations
@@ -37,14 +43,15 @@ TARGET = 0.9
 #: the three-pull bandit of the multi-turn case: one pull per turn, success = all three pulls paid
 MULTI_TURN = ["custom_envs.Bandit.env_config.num_pulls=3", "custom_envs.Bandit.max_actions_per_traj=3",
               "agent_proxy.max_turn=3"]
-#: its step-0 success is about 0 (half the SFT model's answers name no arm); GAE must reach this in 32 steps at the
-#: config's lr (5e-4: at 1e-3 it passed in 20 steps on 4 seeds of 5, one update breaking the format on the fifth,
-#: issue 25), validated every 8 steps
-MULTI_TURN_STEPS, MULTI_TURN_TARGET = 32, 0.8
-MULTI_TURN_PPO = [f"trainer.total_training_steps={MULTI_TURN_STEPS}", "trainer.test_freq=8"]
+#: from the one-turn SFT checkpoint its step-0 success is about 0.15 (0.13 to 0.22 on seeds 0-4); GAE at the
+#: config's lr must reach this in 16 steps (0.83 to 0.91 on seeds 0-4; 0.14 with lr 0, 0.31 and 0.56 when only the
+#: last turn's tokens train: docs/ppo.md "Multi-turn"), validated before training and at the last step only
+MULTI_TURN_STEPS, MULTI_TURN_TARGET = 16, 0.8
+MULTI_TURN_PPO = [f"trainer.total_training_steps={MULTI_TURN_STEPS}", f"trainer.test_freq={MULTI_TURN_STEPS}"]
 #: the same with a <think> block before each answer, the format of the SPA tasks (64 new tokens hold it)
 THINKING = [*MULTI_TURN, "agent_proxy.enable_think=True", "actor_rollout_ref.rollout.response_length=64"]
-#: three-turn rows (prompts up to ~520 tokens) need longer SFT sequences than the one-turn test
+#: three-turn rows (prompts up to ~520 tokens) need longer SFT sequences than the one-turn test (the thinking test's
+#: own SFT checkpoint)
 LONG_ROWS = ["data.max_length=1024", "data.max_tokens_per_micro_batch=4096"]
 #: GAE's critic trains alone for its first 2 steps (issue 25): a fresh critic's values are noise, so with
 #: gamma = lambda = 1 every token after the arm, `</answer><|im_end|>` included, carries the whole outcome advantage;
@@ -63,6 +70,8 @@ VARIANTS = {
     "dapo": ["+algo=dapo"],
     "gigpo": ["algorithm.adv_estimator=gigpo"],
 }
+#: the estimators whose learning run is left to `pytest -m extended` (the module docstring says what covers them)
+EXTENDED_VARIANTS = ("rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "dr_grpo")
 
 
 def bandit_sft_checkpoint(root: Path, env_overrides: Sequence[str], sft_overrides: Sequence[str] = ()) -> Path:
@@ -90,17 +99,13 @@ def sft_checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def multi_turn_sft_checkpoint(tmp_path_factory) -> Path:
-    return bandit_sft_checkpoint(tmp_path_factory.mktemp("bandit3"), MULTI_TURN, LONG_ROWS)
-
-
-@pytest.fixture(scope="module")
 def thinking_sft_checkpoint(tmp_path_factory) -> Path:
     return bandit_sft_checkpoint(tmp_path_factory.mktemp("bandit3think"), THINKING, LONG_ROWS)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("estimator", VARIANTS)
+@pytest.mark.parametrize("estimator", [pytest.param(e, marks=pytest.mark.extended) if e in EXTENDED_VARIANTS else e
+                                       for e in VARIANTS])
 def test_ppo_learns_the_bandit_from_chance(sft_checkpoint, tmp_path, estimator):
     overrides = VARIANTS[estimator]
     cfg = compose(CONFIG, [f"model_path={sft_checkpoint}", *overrides, f"trainer.default_local_dir={tmp_path / 'run'}"])
@@ -115,7 +120,7 @@ def test_ppo_learns_the_bandit_from_chance(sft_checkpoint, tmp_path, estimator):
 
 
 def check_three_turn_learning(checkpoint: Path, overrides: list[str], run_dir: Path) -> None:
-    """PPO from `checkpoint` on the three-turn bandit: from about 0 to MULTI_TURN_TARGET at the last step."""
+    """PPO from `checkpoint` on the three-turn bandit: from at most 0.3 to MULTI_TURN_TARGET at the last step."""
     cfg = compose(CONFIG, [*overrides, f"model_path={checkpoint}", f"trainer.default_local_dir={run_dir}"])
     steps = cfg.trainer.total_training_steps
     records = read_metrics(run(cfg) / "metrics.jsonl")
@@ -127,8 +132,8 @@ def check_three_turn_learning(checkpoint: Path, overrides: list[str], run_dir: P
 
 
 @pytest.mark.slow
-def test_ppo_learns_a_three_turn_bandit(multi_turn_sft_checkpoint, tmp_path):
-    check_three_turn_learning(multi_turn_sft_checkpoint, [*MULTI_TURN, *MULTI_TURN_PPO], tmp_path / "run")
+def test_ppo_learns_a_three_turn_bandit(sft_checkpoint, tmp_path):
+    check_three_turn_learning(sft_checkpoint, [*MULTI_TURN, *MULTI_TURN_PPO], tmp_path / "run")
 
 
 @pytest.mark.extended  # about 2 minutes: not in the default run (CI); `python -m pytest -m extended`
