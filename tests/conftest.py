@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 
@@ -19,6 +22,25 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def call_entry(monkeypatch, capsys):
+    """call_entry(module, argv) -> (exit status, stderr): the command line `python -m <module> <argv>` that must
+    stop on a user error, run as `module.main()` in this process (no interpreter to start, which costs seconds
+    here); the environment variables it sets are undone afterwards. A test using it names the test that starts the
+    same entry point as a process."""
+    environ = dict(os.environ)
+
+    def call(module, argv: list[str]) -> tuple[int, str]:
+        monkeypatch.setattr(sys, "argv", [module.__name__, *argv])
+        with pytest.raises(SystemExit) as exit_info:
+            module.main()
+        return exit_info.value.code, capsys.readouterr().err
+
+    yield call
+    os.environ.clear()
+    os.environ.update(environ)
 
 
 @pytest.fixture

@@ -183,7 +183,7 @@ def test_schema_matches_docs():
 
 
 @pytest.mark.slow
-def test_cli_default_output_dir_and_usage_error(tmp_path):
+def test_cli_default_output_dir_and_usage_error(tmp_path, call_entry):
     command = [sys.executable, "-m", "SPA_agent.generate_sft_data", "--config-name", "_3_frozen_lake", "model=tiny",
                "generator=random", "data_gen.num_batches=1", f"output_root={tmp_path}"]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
@@ -191,6 +191,8 @@ def test_cli_default_output_dir_and_usage_error(tmp_path):
     out = tmp_path / "sftdata" / "_3_frozen_lake-tiny-text_with_coordinates"
     assert all((out / name).is_file() for name in (*DATA_FILES, CARD_FILE, "config.yaml", "data_card.md"))
     assert OmegaConf.load(out / "config.yaml").ctx_manager.mode == "add_worldmodel"
-    result = subprocess.run([*command[:-2], "data_gen.num_batches=0"], capture_output=True, text=True,
-                            check=False)
-    assert result.returncode == 2 and "num_batches" in result.stderr and "Traceback" not in result.stderr
+    # the usage error from the same entry point, called in this process (the run above started it as a process)
+    from SPA_agent import generate_sft_data
+
+    code, err = call_entry(generate_sft_data, [*command[3:-2], "data_gen.num_batches=0"])
+    assert code == 2 and "num_batches" in err and err.startswith("error: ") and err.count("\n") == 1

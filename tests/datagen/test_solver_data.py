@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pyarrow.parquet as pq
 import pytest
@@ -62,13 +60,14 @@ def test_success_is_the_share_of_puzzles_whose_shortest_plan_fits_the_budget(tmp
     assert generate(cfg)["success_rate"] == 0.75
 
 
-def test_unsupported_env_is_a_one_line_error(tmp_path):
+def test_unsupported_env_is_a_one_line_error(tmp_path, call_entry):
     with pytest.raises(ValueError, match=r"generator=solver cannot play env type\(s\) \['frozen_lake'\]"):
         prepare_data_gen_config(compose("_3_frozen_lake", ["model=tiny", "generator=solver"]), "_3_frozen_lake")
-    result = subprocess.run(
-        [sys.executable, "-m", "SPA_agent.generate_sft_data", "--config-name", "_10_sudoku", "model=tiny",
-         "generator=solver", f"output_root={tmp_path}"], capture_output=True, text=True, check=False)
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines() == [
+    # the entry point in this process (tests/datagen/test_generate_sft_data.py starts it as a process)
+    from SPA_agent import generate_sft_data
+
+    code, err = call_entry(generate_sft_data, ["--config-name", "_10_sudoku", "model=tiny", "generator=solver",
+                                               f"output_root={tmp_path}"])
+    assert code == 2 and err.strip().splitlines() == [
         "error: generator=solver cannot play env type(s) ['sudoku']: it plays ['sokoban'] only (docs/generators.md)"]
     assert not any(tmp_path.iterdir())

@@ -4,8 +4,6 @@ failures; report and plots on small run directories."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -95,7 +93,7 @@ def test_failed_requests_are_excluded_and_marked_incomplete(tmp_path, tiny_token
     assert [(r["env_id"], r["failed_request"]) for r in records] == [(0, True)] + [(i, False) for i in range(1, 8)]
 
 
-def test_bad_inputs_are_clear_errors(tmp_path):
+def test_bad_inputs_are_clear_errors(tmp_path, call_entry):
     with pytest.raises(ValueError, match=r"evaluation.k=\[1, 16\] must lie in \[1, evaluation.n=8\]"):
         prepare_eval_config(compose("_2_sokoban", ["model=tiny", "evaluation.n=8", "evaluation.k=[1,16]"]),
                             "_2_sokoban")
@@ -104,10 +102,11 @@ def test_bad_inputs_are_clear_errors(tmp_path):
     cfg = eval_config(tmp_path / "bad", f"model_path={not_a_model}")
     with pytest.raises(FileNotFoundError, match="global_step_5/actor"):
         evaluate(cfg)
-    result = subprocess.run(
-        [sys.executable, "-m", "SPA_agent.evaluate", "--config-name", "_2_sokoban", "model=tiny",
-         "evaluation.n=2", "evaluation.k=[4]"], capture_output=True, text=True, check=False)
-    assert result.returncode == 2 and "evaluation.k" in result.stderr and "Traceback" not in result.stderr
+    # the entry point in this process (the run_spa.sh and run_baseline.sh tests start it as a process)
+    from SPA_agent import evaluate as entry
+
+    code, err = call_entry(entry, ["--config-name", "_2_sokoban", "model=tiny", "evaluation.n=2", "evaluation.k=[4]"])
+    assert code == 2 and "evaluation.k" in err and err.startswith("error: ") and err.count("\n") == 1
 
 
 def test_model_names():

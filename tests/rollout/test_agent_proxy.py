@@ -95,16 +95,15 @@ def test_unknown_env_tag_is_a_clear_error_before_any_env_is_built(tiny_config, t
         _proxy(cfg, tiny_tokenizer, tiny_dir)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("override, message", [
     ("generator=vllm", "pip install 'spa-agent[gpu]'"),
     ("es_manager.train.env_configs.tags=[Foo]", "unknown env tag"),
 ])
-def test_entry_points_report_user_errors_in_one_line(override, message, tmp_path):
-    import subprocess
-    import sys
+def test_entry_points_report_user_errors_in_one_line(override, message, tmp_path, call_entry):
+    """In this process (tests/datagen/test_generate_sft_data.py::test_cli_default_output_dir_and_usage_error and
+    the run_spa.sh test start the entry point as a process)."""
+    from SPA_agent import generate_sft_data
 
-    result = subprocess.run(
-        [sys.executable, "-m", "SPA_agent.generate_sft_data", "--config-name", "_2_sokoban", "model=tiny",
-         override, f"data_gen.output_dir={tmp_path}"], capture_output=True, text=True, check=False)
-    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+    code, err = call_entry(generate_sft_data, ["--config-name", "_2_sokoban", "model=tiny", override,
+                                               f"data_gen.output_dir={tmp_path}"])
+    assert code == 2 and message in err and err.startswith("error: ") and err.count("\n") == 1

@@ -161,12 +161,12 @@ def test_two_ranks_with_an_empty_padded_micro_batch_match_one_rank(data_dir, tmp
      "data.train_batch_size=3 is not divisible by ranks × data.micro_batch_size_per_gpu = 2"),
     (["data.train_files=/nonexistent/wm_train.parquet"], "does not exist"),
 ])
-def test_entry_point_user_errors_exit_2_with_one_line(data_dir, tmp_path, extra, message):
-    command = [sys.executable, "-m", "sft.spa_sft_trainer", *overrides(data_dir, tmp_path), *extra]
-    result = subprocess.run(command, check=False, cwd=REPO, capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert result.returncode == 2
-    assert message in result.stderr and "Traceback" not in result.stderr
+def test_entry_point_user_errors_exit_2_with_one_line(data_dir, tmp_path, extra, message, call_entry):
+    """In this process (the torchrun tests above and the run_spa.sh test start the entry point as processes)."""
+    from sft import spa_sft_trainer
+
+    code, err = call_entry(spa_sft_trainer, [*overrides(data_dir, tmp_path), *extra])
+    assert code == 2 and message in err and err.startswith("error: ") and err.count("\n") == 1
 
 
 def test_only_rank_0_refuses_a_locked_directory(data_dir, tmp_path):
