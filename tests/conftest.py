@@ -1,9 +1,15 @@
-"""Shared fixtures: the embedded tiny model and tokenizer, and composed configs."""
+"""Shared fixtures: the embedded tiny model and tokenizer, and composed configs; the child processes of the tests
+marked `background`, run on the machine's second core while the other tests run."""
 
 from __future__ import annotations
 
 import os
+import re
+import signal
+import subprocess
 import sys
+import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +17,15 @@ import torch
 from SPA_agent.config import compose
 from SPA_agent.tiny import tiny_model_dir
 
-torch.set_num_threads(2)
+#: Tests marked `background(command=...)` are run by a child process (or a few, one after another) that starts when the
+#: test loop starts: a thread runs them one after another beside the other tests, on the second core of the 2-core
+#: machines this suite runs on, and the marked tests run last, each asserting on its own processes' results (the
+#: fixture `background_run`). SPA_TEST_BACKGROUND=0, or one core, runs each test's processes when the test runs.
+BACKGROUND = (os.cpu_count() or 1) >= 2 and os.environ.get("SPA_TEST_BACKGROUND", "1") != "0"
+
+# One intra-op thread beside the background processes: OpenMP threads spinning on a core that another process
+# holds made tiny runs 10–20× slower; two threads where nothing runs beside the tests.
+torch.set_num_threads(1 if BACKGROUND else 2)
 
 
 @pytest.fixture
@@ -152,3 +166,118 @@ def tiny_config():
         return compose(config_name, ["model=tiny", *overrides])
 
     return make
+
+
+# --- child processes on the second core ------------------------------------------------------------------------------
+class BackgroundJob:
+    """The child processes of one test marked `background(command=command)`: `command(directory, **parameters)` (the test's
+    parametrize arguments) returns the keyword arguments of one process (`args`, and `env`, `cwd`, `timeout` if
+    needed) or a list of them, run one after another; `directory` is made for the job (the test's `tmp_path` when
+    it runs there). `results` are their CompletedProcess (stdout and stderr as text)."""
+
+    def __init__(self, item: pytest.Item, directory: Path):
+        self.directory = directory
+        self.results: list[subprocess.CompletedProcess] = []
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self.process: subprocess.Popen | None = None
+        self.cancelled = False
+        try:
+            commands = item.get_closest_marker("background").kwargs["command"](directory, **parameters(item))
+        except Exception as error:  # the test fails with it, not the collection
+            self.commands, self.error = [], error
+        else:
+            self.commands = commands if isinstance(commands, list) else [commands]
+
+    def run(self) -> None:
+        if self.error is not None:
+            self.done.set()
+            return
+        try:
+            for command in self.commands:
+                if self.cancelled:
+                    return
+                kwargs = dict(command)
+                args, timeout = kwargs.pop("args"), kwargs.pop("timeout", 600)
+                self.process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                                start_new_session=True, **kwargs)
+                try:
+                    stdout, stderr = self.process.communicate(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    self.kill()
+                    self.process.communicate()
+                    raise
+                self.results.append(subprocess.CompletedProcess(args, self.process.returncode, stdout, stderr))
+        except BaseException as error:  # re-raised in the test
+            self.error = error
+        finally:
+            self.done.set()
+
+    def kill(self) -> None:
+        self.cancelled = True
+        if self.process is not None and self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def wait(self) -> tuple[list[subprocess.CompletedProcess], Path]:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.results, self.directory
+
+
+def parameters(item: pytest.Item) -> dict:
+    return item.callspec.params if hasattr(item, "callspec") else {}
+
+
+_BACKGROUND_JOBS = pytest.StashKey[dict]()
+_RAN_HERE = pytest.StashKey[dict]()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """The selected tests marked `background` run last; with BACKGROUND their jobs are made here, in that order
+    (tests of one command and the same parameters share its job)."""
+    marked = [item for item in items if item.get_closest_marker("background")]
+    if not marked:
+        return
+    items[:] = [item for item in items if not item.get_closest_marker("background")] + marked
+    if BACKGROUND and not config.option.collectonly:
+        jobs, by_command = {}, {}
+        for item in marked:
+            key = (item.get_closest_marker("background").kwargs["command"], repr(sorted(parameters(item).items())))
+            if key not in by_command:
+                directory = config._tmp_path_factory.mktemp(re.sub(r"[^A-Za-z0-9_]+", "-", item.name)[:40])
+                by_command[key] = BackgroundJob(item, directory)
+            jobs[item.nodeid] = by_command[key]
+        config.stash[_BACKGROUND_JOBS] = jobs
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtestloop(session):
+    jobs = list(dict.fromkeys(session.config.stash.get(_BACKGROUND_JOBS, {}).values()))
+    thread = threading.Thread(target=lambda: [job.run() for job in jobs], name="background tests", daemon=True)
+    if jobs:
+        thread.start()
+    try:
+        return (yield)
+    finally:
+        for job in jobs:
+            job.kill()
+
+
+@pytest.fixture
+def background_run(request, tmp_path) -> tuple[list[subprocess.CompletedProcess], Path]:
+    """(CompletedProcess of each of this test's `background` processes, the directory they ran in): from the thread
+    that started them with the test loop, or run now (SPA_TEST_BACKGROUND=0, one core)."""
+    jobs = request.config.stash.setdefault(_BACKGROUND_JOBS, {})
+    if request.node.nodeid not in jobs:
+        key = (request.node.get_closest_marker("background").kwargs["command"], repr(sorted(parameters(request.node).items())))
+        ran_here = request.config.stash.setdefault(_RAN_HERE, {})
+        if key not in ran_here:
+            ran_here[key] = BackgroundJob(request.node, tmp_path)
+            ran_here[key].run()
+        jobs[request.node.nodeid] = ran_here[key]
+    return jobs[request.node.nodeid].wait()
