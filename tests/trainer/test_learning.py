@@ -24,17 +24,22 @@ aggregation are pinned on hand-computed values by tests/trainer/test_outcome_est
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from sft import in_process as sft
 from SPA_agent.config import compose
 from SPA_agent.runs.metrics_logger import read_metrics
 from SPA_agent.selfplay.generate import generate, prepare_data_gen_config
 from SPA_agent.trainer.main_ppo import run
+
+ROOT = Path(__file__).resolve().parents[2]
 
 CONFIG = "_bandit"
 SUCCESS = "val-env/Bandit/success"
@@ -93,9 +98,38 @@ def bandit_sft_checkpoint(root: Path, env_overrides: Sequence[str], sft_override
         torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module")
-def sft_checkpoint(tmp_path_factory) -> Path:
-    return bandit_sft_checkpoint(tmp_path_factory.mktemp("bandit"), [])
+def shared_sft_checkpoint(root: Path) -> Path:
+    """The one-turn SFT checkpoint under `root`: made by the first learning run of the session, read by the others."""
+    made = root / "sft_checkpoint.txt"
+    if not made.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        made.write_text(str(bandit_sft_checkpoint(root / f"build-{os.getpid()}", [])))
+    return Path(made.read_text())
+
+
+def learning_run(directory: Path, overrides: Sequence[str]) -> dict:
+    """A learning test's run, a child process (this file as a script, below) that runs beside the other tests
+    (tests/conftest.py, `background`): PPO from the one-turn SFT checkpoint with `overrides` into <directory>/run.
+    The checkpoint is shared through the session's temporary directory (the first run makes it)."""
+    return {"args": [sys.executable, __file__, str(directory.parent / "bandit_sft"), str(directory / "run"), *overrides],
+            "cwd": ROOT, "env": {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
+            "timeout": 900}
+
+
+def one_turn_run(directory: Path, estimator: str) -> dict:
+    return learning_run(directory, VARIANTS[estimator])
+
+
+def three_turn_run(directory: Path) -> dict:
+    return learning_run(directory, [*MULTI_TURN, *MULTI_TURN_PPO])
+
+
+def finished_run(background_run):
+    """(metric records, validation success by step, config) of a learning test's child process."""
+    (result,), directory = background_run
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
+    records = read_metrics(directory / "run" / "metrics.jsonl")
+    return records, {r["step"]: r[SUCCESS] for r in records if SUCCESS in r}, OmegaConf.load(directory / "run" / "config.yaml")
 
 
 @pytest.fixture(scope="module")
@@ -104,13 +138,11 @@ def thinking_sft_checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.background(command=one_turn_run)
 @pytest.mark.parametrize("estimator", [pytest.param(e, marks=pytest.mark.extended) if e in EXTENDED_VARIANTS else e
                                        for e in VARIANTS])
-def test_ppo_learns_the_bandit_from_chance(sft_checkpoint, tmp_path, estimator):
-    overrides = VARIANTS[estimator]
-    cfg = compose(CONFIG, [f"model_path={sft_checkpoint}", *overrides, f"trainer.default_local_dir={tmp_path / 'run'}"])
-    records = read_metrics(run(cfg) / "metrics.jsonl")
-    curve = {r["step"]: r[SUCCESS] for r in records if SUCCESS in r}
+def test_ppo_learns_the_bandit_from_chance(background_run, estimator):
+    records, curve, cfg = finished_run(background_run)
     print(f"{estimator}: validation success by step {curve}")
     assert CHANCE[0] <= curve[0] <= CHANCE[1], f"the SFT checkpoint is not at chance: {curve}"
     final = curve[cfg.trainer.total_training_steps]
@@ -119,27 +151,34 @@ def test_ppo_learns_the_bandit_from_chance(sft_checkpoint, tmp_path, estimator):
     assert trained_critic == (estimator == "gae"), "critic-free estimators must not build or train a critic; GAE must"
 
 
-def check_three_turn_learning(checkpoint: Path, overrides: list[str], run_dir: Path) -> None:
-    """PPO from `checkpoint` on the three-turn bandit: from at most 0.3 to MULTI_TURN_TARGET at the last step."""
-    cfg = compose(CONFIG, [*overrides, f"model_path={checkpoint}", f"trainer.default_local_dir={run_dir}"])
-    steps = cfg.trainer.total_training_steps
-    records = read_metrics(run(cfg) / "metrics.jsonl")
+def check_three_turn_learning(records: list[dict], cfg) -> None:
+    """The three-turn bandit's validation success: from at most 0.3 to MULTI_TURN_TARGET at the last step."""
     curve = {r["step"]: r[SUCCESS] for r in records if SUCCESS in r}
     print(f"three-turn bandit, {cfg.algorithm.adv_estimator}: validation success by step {curve}")
     assert curve[0] <= 0.3, f"the SFT checkpoint already solves the three-turn bandit: {curve}"
-    final = curve[steps]
+    final = curve[cfg.trainer.total_training_steps]
     assert final >= MULTI_TURN_TARGET, f"validation success {final:.2f} < {MULTI_TURN_TARGET} after PPO; curve {curve}"
 
 
 @pytest.mark.slow
-def test_ppo_learns_a_three_turn_bandit(sft_checkpoint, tmp_path):
-    check_three_turn_learning(sft_checkpoint, [*MULTI_TURN, *MULTI_TURN_PPO], tmp_path / "run")
+@pytest.mark.background(command=three_turn_run)
+def test_ppo_learns_a_three_turn_bandit(background_run):
+    records, _, cfg = finished_run(background_run)
+    check_three_turn_learning(records, cfg)
 
 
 @pytest.mark.extended  # about 2 minutes: not in the default run (CI); `python -m pytest -m extended`
 def test_grpo_learns_a_three_turn_bandit_with_thinking(thinking_sft_checkpoint, tmp_path):
     """GRPO (GAE from a fresh critic breaks the <think> format of this tiny model at its lr, docs/ppo.md), which
     reaches the target in 12 steps here at lr 1e-3 (measured before the config's lr became 5e-4)."""
-    check_three_turn_learning(thinking_sft_checkpoint, [*THINKING, "algorithm.adv_estimator=grpo",
-                                                        "actor_rollout_ref.actor.optim.lr=1e-3",
-                                                        "trainer.total_training_steps=12"], tmp_path / "run")
+    cfg = compose(CONFIG, [*THINKING, "algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.optim.lr=1e-3",
+                           "trainer.total_training_steps=12", f"model_path={thinking_sft_checkpoint}",
+                           f"trainer.default_local_dir={tmp_path / 'run'}"])
+    check_three_turn_learning(read_metrics(run(cfg) / "metrics.jsonl"), cfg)
+
+
+if __name__ == "__main__":  # a learning test's child process: <SFT root> <run dir> <overrides...>, one torch thread
+    torch.set_num_threads(1)
+    sft_root, run_dir, *overrides = sys.argv[1:]
+    checkpoint = shared_sft_checkpoint(Path(sft_root))
+    run(compose(CONFIG, [f"model_path={checkpoint}", *overrides, f"trainer.default_local_dir={run_dir}"]))
