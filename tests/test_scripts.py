@@ -34,7 +34,26 @@ def _assert_summary_printed(result: subprocess.CompletedProcess, eval_dir: Path)
     assert "== done. Outputs:" in result.stdout and f"{eval_dir}/summary.md" in result.stdout
 
 
+def _chain_dirs(root: Path) -> dict[str, Path]:
+    return {"OUTPUT_DIR": root / "data", "CHECKPOINT_DIR": root / "sft", "BASE_DIR": root / "ppo", "EVAL_DIR": root / "evals"}
+
+
+def _chain_env(root: Path) -> dict[str, str]:
+    return {**{k: str(v) for k, v in _chain_dirs(root).items()}, **FAST_ENV}
+
+
+def _named(experiment: str) -> tuple[str, ...]:
+    return (f"experiment={experiment}",) if experiment != "spa" else ()  # spa is the default
+
+
+def _spa_chain(directory: Path, config: str, experiment: str, **_) -> dict:
+    """The chain's run: a child process that runs beside the other tests (tests/conftest.py, `background`)."""
+    return {"args": ["bash", str(REPO / "run_spa.sh"), config, "last", "True", *FAST_PPO, *_named(experiment)],
+            "env": {**os.environ, "MODEL": "tiny", **_chain_env(directory)}}
+
+
 @pytest.mark.slow
+@pytest.mark.background(command=_spa_chain)
 @pytest.mark.parametrize("config, tag, experiment", [
     ("_2_sokoban", "SimpleSokoban", "spa"),
     # a named evaluation variant: SPA on FrozenLake 4x4, evaluated on 6x6, and a refused rerun (issue 14); about
@@ -43,12 +62,9 @@ def _assert_summary_printed(result: subprocess.CompletedProcess, eval_dir: Path)
     # about a minute: the longest rows (5-turn Sudoku) through every stage; left out of CI's default run
     pytest.param("_10_sudoku", "Sudoku", "spa", marks=pytest.mark.extended),
 ])
-def test_run_spa_chains_data_sft_ppo_and_evaluation(tmp_path, config, tag, experiment):
-    dirs = {"OUTPUT_DIR": tmp_path / "data", "CHECKPOINT_DIR": tmp_path / "sft", "BASE_DIR": tmp_path / "ppo",
-            "EVAL_DIR": tmp_path / "evals"}
-    env = {**{k: str(v) for k, v in dirs.items()}, **FAST_ENV}
-    named = (f"experiment={experiment}",) if experiment != "spa" else ()  # spa is the default
-    result = _run("run_spa.sh", config, "last", "True", *FAST_PPO, *named, env=env)
+def test_run_spa_chains_data_sft_ppo_and_evaluation(background_run, config, tag, experiment):
+    (result,), root = background_run
+    dirs, env, named = _chain_dirs(root), _chain_env(root), _named(experiment)
     assert result.returncode == 0, result.stderr[-2000:]
     assert (dirs["OUTPUT_DIR"] / "wm_train.parquet").is_file() and (dirs["OUTPUT_DIR"] / "data_card.json").is_file()
     # the tiny preset's SFT length fits every row its own tokenizer produces (5-turn Sudoku rows are the longest)
@@ -80,14 +96,21 @@ def test_run_spa_chains_data_sft_ppo_and_evaluation(tmp_path, config, tag, exper
     assert next(dirs["CHECKPOINT_DIR"].glob("global_step_*/model.safetensors")).read_bytes() == weights
 
 
+def _baseline(directory: Path) -> dict:
+    """The baseline's run: a child process that runs beside the other tests (tests/conftest.py, `background`)."""
+    return {"args": ["bash", str(REPO / "run_baseline.sh"), "_10_sudoku", *FAST_PPO],
+            "env": {**os.environ, "MODEL": "tiny", **FAST_ENV, "BASE_DIR": str(directory),
+                    "EVAL_DIR": str(directory / "evals")}}
+
+
 @pytest.mark.slow
-def test_run_baseline_trains_from_the_base_model_and_prints_the_summary(tmp_path):
+@pytest.mark.background(command=_baseline)
+def test_run_baseline_trains_from_the_base_model_and_prints_the_summary(background_run):
     """The default baseline is the paper's Vanilla RL: the plain symbol grid, no coordinates."""
-    eval_dir = tmp_path / "evals"
-    result = _run("run_baseline.sh", "_10_sudoku", *FAST_PPO,
-                  env={**FAST_ENV, "BASE_DIR": str(tmp_path), "EVAL_DIR": str(eval_dir)})
+    (result,), root = background_run
+    eval_dir = root / "evals"
     assert result.returncode == 0, result.stderr[-2000:]
-    run_dir = tmp_path / "_10_sudoku" / "_10_sudoku-tiny-text-vanilla_rl"
+    run_dir = root / "_10_sudoku" / "_10_sudoku-tiny-text-vanilla_rl"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["step"] == 1 and "train/Sudoku/success" in records[-1]
     config = (run_dir / "config.yaml").read_text()

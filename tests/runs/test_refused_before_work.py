@@ -19,6 +19,7 @@ from SPA_agent.config import compose
 from SPA_agent.entry import EXIT_USAGE
 from SPA_agent.selfplay.data_card import CARD_FILE
 from SPA_agent.selfplay.generate import generate, prepare_data_gen_config
+from SPA_agent.tiny import tiny_model_dir
 
 REPO = Path(__file__).resolve().parents[2]
 #: a tiny dataset: one batch of 2 × 2 trajectories of 2 turns, every row kept
@@ -184,14 +185,25 @@ def test_a_second_sft_run_into_a_locked_directory_stops_before_writing_its_log(d
 
 
 # --- 9: relative paths from another directory -----------------------------------------------------------------------
-def test_relative_paths_given_to_a_script_start_in_the_callers_directory(tmp_path, tiny_dir):
+def script_run(path: str, *args: str, env: dict | None = None, cwd: Path = REPO, timeout: int = 120) -> dict:
+    """`script(...)` as a child process that runs beside the other tests (tests/conftest.py, `background`)."""
+    return {"args": ["bash", str(REPO / path), *args], "cwd": cwd, "timeout": timeout,
+            "env": {**os.environ, "MODEL": "tiny", "OMP_NUM_THREADS": "1", "PYTHON": sys.executable, **(env or {})}}
+
+
+def _relative_paths(directory: Path) -> dict:
+    shutil.copytree(tiny_model_dir(), directory / "sref" / "global_step_10")
+    (directory / "checkpoints").write_text("a file where the runs would go")
+    return script_run("train_ppo_sfted.sh", "_2_sokoban", "sref/global_step_10", "run", cwd=directory,
+                      env={"HF_HUB_OFFLINE": "1"})
+
+
+@pytest.mark.background(command=_relative_paths)
+def test_relative_paths_given_to_a_script_start_in_the_callers_directory(background_run):
     """`sref/global_step_10` given from the directory that holds it is that checkpoint, not a hub id, and the default
     run directory (./checkpoints/...) is the caller's too: here a file, so PPO stops there in one line, after loading
     the checkpoint's tokenizer and before any model."""
-    shutil.copytree(tiny_dir, tmp_path / "sref" / "global_step_10")
-    (tmp_path / "checkpoints").write_text("a file where the runs would go")
-    result = script("train_ppo_sfted.sh", "_2_sokoban", "sref/global_step_10", "run", cwd=tmp_path,
-                    env={"HF_HUB_OFFLINE": "1"})
+    (result,), _ = background_run
     assert_one_line(result, "cannot write to checkpoints/_2_sokoban/run")
 
 
@@ -253,6 +265,11 @@ def test_help_prints_help_and_does_nothing_else(module, tmp_path):
 
 
 # --- 1, 2: the pipeline scripts check every stage's settings before the first ----------------------------------------
+def _later_stage(directory: Path, script_args: tuple, env: dict, **_) -> dict:
+    return script_run(*script_args, env=env, cwd=directory)
+
+
+@pytest.mark.background(command=_later_stage)
 @pytest.mark.parametrize("script_args, env, message", [
     (("run_spa.sh", "_2_sokoban", "last", "True", "trainer.total_training_steps=0"), {},
      "error: PPO: trainer.total_training_steps must be a positive integer, got 0"),
@@ -261,12 +278,12 @@ def test_help_prints_help_and_does_nothing_else(module, tmp_path):
     (("run_baseline.sh", "_2_sokoban", "evaluation.k=5"), {},
      "error: evaluation: evaluation.k must be a list of integers such as evaluation.k=[1,8], got 5"),
 ])
-def test_a_setting_of_a_later_stage_is_refused_before_the_first_stage(tmp_path, script_args, env, message):
+def test_a_setting_of_a_later_stage_is_refused_before_the_first_stage(background_run, script_args, env, message):
     """From the caller's directory, with the default output directories: one line, no stage started, nothing
     written there."""
-    result = script(*script_args, env=env, cwd=tmp_path)
+    (result,), directory = background_run
     assert_one_line(result, message)
-    assert "==" not in result.stdout and list(tmp_path.iterdir()) == []
+    assert "==" not in result.stdout and list(directory.iterdir()) == []
 
 
 # --- 13: the three-arm experiment ------------------------------------------------------------------------------------
