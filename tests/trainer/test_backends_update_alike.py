@@ -15,11 +15,12 @@ from __future__ import annotations
 import copy
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from SPA_agent.tiny import tiny_model_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
@@ -64,11 +65,16 @@ def _update_both(model_dir: str) -> list[dict]:
     return steps
 
 
-@pytest.mark.slow
-def test_the_same_steps_move_the_policy_the_same_on_both_backends(tiny_dir):
+def _both_backends(directory: Path) -> dict:
+    """This file as the child process (below), run beside the other tests (tests/conftest.py, `background`)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    result = subprocess.run([sys.executable, __file__, str(tiny_dir)], cwd=ROOT, env=env, capture_output=True,
-                            text=True, timeout=300, check=False)
+    return {"args": [sys.executable, __file__, str(tiny_model_dir())], "cwd": ROOT, "env": env, "timeout": 300}
+
+
+@pytest.mark.slow
+@pytest.mark.background(command=_both_backends)
+def test_the_same_steps_move_the_policy_the_same_on_both_backends(background_run):
+    (result,), _ = background_run
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     steps = json.loads(result.stdout.strip().splitlines()[-1])
     assert len(steps) == STEPS + 1

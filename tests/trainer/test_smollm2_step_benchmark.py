@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,13 +14,18 @@ ROOT = Path(__file__).resolve().parents[2]
 PHASES = {"gen", "filter", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor"}
 
 
+def _smoke_run(directory: Path) -> dict:
+    """The smoke run, a child process that runs beside the other tests (tests/conftest.py, `background`)."""
+    return {"args": [sys.executable, "benchmarks/smollm2_step.py", "--smoke", "--steps", "2", "--profile", "train",
+                     "--json", str(directory / "s.json")],
+            "cwd": ROOT, "timeout": 300, "env": {**os.environ, "OMP_NUM_THREADS": "1"}}
+
+
 @pytest.mark.slow
-def test_smoke_run_times_every_phase_and_the_decoder(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "benchmarks/smollm2_step.py", "--smoke", "--steps", "2", "--profile", "train",
-         "--json", str(tmp_path / "s.json")],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+@pytest.mark.background(command=_smoke_run)
+def test_smoke_run_times_every_phase_and_the_decoder(background_run):
+    (result,), tmp_path = background_run
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     assert "profile of one train by self_cpu_time_total" in result.stdout and "Self CPU time total" in result.stdout
     # --profile train starts the profiler when the rollout ends: the backward passes are in its table, the
     # decoder's sampling (exponential_ draws, among its ten costliest operators) is not

@@ -17,27 +17,40 @@ from pathlib import Path
 import pytest
 from verl_cpu import CPU_SETTINGS
 
+from SPA_agent.tiny import tiny_model_dir
+
 ROOT = Path(__file__).resolve().parents[2]
 PASSES = ["old_log_prob", "values", "update_critic", "update_actor", "total"]
 SMALL = ["--preset", "tiny", "--repeats", "2", "--trajectories", "4", "--tokens", "40",
          "--set", "actor_rollout_ref.actor.use_ref=False"]
 
 
-def _run(tiny_dir, out: Path, *args) -> list[dict]:
+def _command(out: Path, *args) -> dict:
+    """One run of the benchmark, a child process that runs beside the other tests (tests/conftest.py, `background`)."""
     env = {**{k: v for k, v in os.environ.items() if k != "RAY_worker_niceness"}, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, *args, "--model", str(tiny_dir), *SMALL, "--out", str(out)], cwd=ROOT,
-                            env=env, capture_output=True, text=True, timeout=300, check=False)
+    return {"args": [sys.executable, *args, "--model", str(tiny_model_dir()), *SMALL, "--out", str(out)], "cwd": ROOT,
+            "env": env, "timeout": 300}
+
+
+def _lines(result: subprocess.CompletedProcess) -> list[dict]:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
 
 
+def _both_backends(directory: Path) -> list[dict]:
+    out = directory / "passes.jsonl"
+    return [_command(out, "benchmarks/train_passes.py", "--backend", "local", "--label", "local"),
+            _command(out, __file__, "--backend", "verl", "--label", "verl",
+                     "--set", "verl_backend.rollout_name=sglang", *sum((["--set", e] for e in CPU_SETTINGS), []))]
+
+
 @pytest.mark.slow
-def test_both_backends_time_every_pass(tiny_dir, tmp_path):
-    out = tmp_path / "passes.jsonl"
-    local = _run(tiny_dir, out, "benchmarks/train_passes.py", "--backend", "local", "--label", "local")
-    verl = _run(tiny_dir, out, __file__, "--backend", "verl", "--label", "verl",
-                "--set", "verl_backend.rollout_name=sglang", *sum((["--set", e] for e in CPU_SETTINGS), []))
+@pytest.mark.background(command=_both_backends)
+def test_both_backends_time_every_pass(background_run):
+    results, directory = background_run
+    out = directory / "passes.jsonl"
+    local, verl = (_lines(result) for result in results)
     for lines, label in ((local, "local"), (verl, "verl")):
         assert [line["repeat"] for line in lines] == [0, 1]
         cpu = [f"{name}_thread_cpu" for name in PASSES if name != "total"]
@@ -51,14 +64,21 @@ def test_both_backends_time_every_pass(tiny_dir, tmp_path):
         assert s["median_s"]["total"] == pytest.approx(s["steps"][1]["total"])
 
 
+def _ray_actors(directory: Path) -> dict:
+    return _command(directory / "passes.jsonl", "benchmarks/train_passes.py", "--backend", "verl", "--label", "ray",
+                    "--ray", "1", "--ray-async", "--rank-setup", "verl_cpu:start_cpu_rank",
+                    "--set", "verl_backend.rollout_name=sglang", "--set", "verl_backend.worker_niceness=7",
+                    *sum((["--set", e] for e in CPU_SETTINGS), []))
+
+
 @pytest.mark.slow
-def test_the_verl_ranks_run_as_async_ray_actors(tiny_dir, tmp_path):
+@pytest.mark.background(command=_ray_actors)
+def test_the_verl_ranks_run_as_async_ray_actors(background_run):
     # the same passes in an async Ray actor, as verl's fused worker runs them; the rank builds its CPU group there,
     # in a cluster started with the run's worker niceness (neither ours, 0, nor Ray's, 15)
-    out = tmp_path / "passes.jsonl"
-    lines = _run(tiny_dir, out, "benchmarks/train_passes.py", "--backend", "verl", "--label", "ray", "--ray", "1",
-                 "--ray-async", "--rank-setup", "verl_cpu:start_cpu_rank", "--set", "verl_backend.rollout_name=sglang",
-                 "--set", "verl_backend.worker_niceness=7", *sum((["--set", e] for e in CPU_SETTINGS), []))
+    (result,), directory = background_run
+    out = directory / "passes.jsonl"
+    lines = _lines(result)
     assert [line["repeat"] for line in lines] == [0, 1] and all(line["label"] == "ray" for line in lines)
     assert all(line[name] > 0 for line in lines for name in PASSES)
     (summary,) = [json.loads(line) for line in out.read_text().splitlines()]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -30,18 +29,23 @@ WIDTH = 12
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def engine_results(tmp_path_factory) -> dict:
-    """The child process's results: three engines (padded, packed, packed with verl's fused head) on one batch."""
-    out = tmp_path_factory.mktemp("engine") / "result.json"
+def _engines(directory: Path) -> dict:
+    """This file as the child process (below), run once for both tests beside the other tests (tests/conftest.py,
+    `background`)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    result = subprocess.run([sys.executable, __file__, str(out)], cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=240, check=False)
+    return {"args": [sys.executable, __file__, str(directory / "result.json")], "cwd": REPO, "env": env, "timeout": 240}
+
+
+@pytest.fixture
+def engine_results(background_run) -> dict:
+    """The child process's results: three engines (padded, packed, packed with verl's fused head) on one batch."""
+    (result,), directory = background_run
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    return json.loads(out.read_text())
+    return json.loads((directory / "result.json").read_text())
 
 
 @pytest.mark.slow
+@pytest.mark.background(command=_engines)
 def test_verl_fsdp_engine_packs_through_the_per_sequence_attention(engine_results):
     r = engine_results
 
@@ -69,6 +73,7 @@ def test_verl_fsdp_engine_packs_through_the_per_sequence_attention(engine_result
 
 
 @pytest.mark.slow
+@pytest.mark.background(command=_engines)
 def test_verls_fused_head_on_packed_micro_batches_equals_the_plain_head(engine_results):
     """`actor_rollout_ref.model.use_fused_kernels` (verl's log-probs and entropies from the hidden states in
     chunks, no (tokens, vocabulary) logits; torch backend here) on the same packed micro-batches: same numbers."""

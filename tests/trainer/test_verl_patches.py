@@ -9,9 +9,9 @@ import importlib
 import inspect
 import json
 import os
-import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -184,14 +184,19 @@ ray.shutdown()
 """
 
 
+def _worker_threads(directory: Path) -> dict:
+    """WORKER_THREADS in a child process that runs beside the other tests (tests/conftest.py, `background`)."""
+    env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
+    return {"args": [sys.executable, "-c", WORKER_THREADS], "env": env, "timeout": 300}
+
+
 @pytest.mark.slow
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="torch's default is one thread on one core")
-def test_ray_workers_start_torch_with_the_configured_threads():
+@pytest.mark.background(command=_worker_threads)
+def test_ray_workers_start_torch_with_the_configured_threads(background_run):
     # the setup hook imports torch before Ray sets OMP_NUM_THREADS=1 (at a worker's first task): with null, torch
     # keeps its default pool of a thread per core in every worker, as it did on the GPU hosts (issue 28)
-    env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
-    result = subprocess.run([sys.executable, "-c", WORKER_THREADS], env=env, capture_output=True, text=True,
-                            timeout=300, check=False)
+    (result,), _ = background_run
     assert result.returncode == 0, result.stderr[-4000:]
     threads = json.loads(result.stdout.strip().splitlines()[-1])
     assert threads["default"] > 1
