@@ -257,13 +257,17 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtestloop(session):
+    """Starts the jobs' thread; when the loop ends (also on Ctrl-C, or SIGTERM: a CI timeout), a job still running is
+    killed with its child processes (each job runs in a session of its own)."""
     jobs = list(dict.fromkeys(session.config.stash.get(_BACKGROUND_JOBS, {}).values()))
-    thread = threading.Thread(target=lambda: [job.run() for job in jobs], name="background tests", daemon=True)
-    if jobs:
-        thread.start()
+    if not jobs:
+        return (yield)
+    threading.Thread(target=lambda: [job.run() for job in jobs], name="background tests", daemon=True).start()
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         return (yield)
     finally:
+        signal.signal(signal.SIGTERM, previous)
         for job in jobs:
             job.kill()
 
