@@ -232,6 +232,11 @@ def parameters(item: pytest.Item) -> dict:
     return item.callspec.params if hasattr(item, "callspec") else {}
 
 
+def job_key(item: pytest.Item) -> tuple:
+    """Tests of one `background` command with the same parameters share one job."""
+    return item.get_closest_marker("background").kwargs["command"], repr(sorted(parameters(item).items()))
+
+
 _BACKGROUND_JOBS = pytest.StashKey[dict]()
 _RAN_HERE = pytest.StashKey[dict]()
 
@@ -247,7 +252,7 @@ def pytest_collection_modifyitems(config, items):
     if BACKGROUND and not config.option.collectonly:
         jobs, by_command = {}, {}
         for item in marked:
-            key = (item.get_closest_marker("background").kwargs["command"], repr(sorted(parameters(item).items())))
+            key = job_key(item)
             if key not in by_command:
                 directory = config._tmp_path_factory.mktemp(re.sub(r"[^A-Za-z0-9_]+", "-", item.name)[:40])
                 by_command[key] = BackgroundJob(item, directory)
@@ -278,7 +283,7 @@ def background_run(request, tmp_path) -> tuple[list[subprocess.CompletedProcess]
     that started them with the test loop, or run now (SPA_TEST_BACKGROUND=0, one core)."""
     jobs = request.config.stash.setdefault(_BACKGROUND_JOBS, {})
     if request.node.nodeid not in jobs:
-        key = (request.node.get_closest_marker("background").kwargs["command"], repr(sorted(parameters(request.node).items())))
+        key = job_key(request.node)
         ran_here = request.config.stash.setdefault(_RAN_HERE, {})
         if key not in ran_here:
             ran_here[key] = BackgroundJob(request.node, tmp_path)

@@ -8,8 +8,8 @@ dominates decoding time for GQA models at large batch. Here:
   max_new_tokens; row b keeps its prompt at positions [0, n_b) and its t-th new token at n_b + t, so the keys a
   row attends to are always a prefix of its row, of length `kv_lengths[b]`;
 - prefill runs the prompts right-padded (row chunks of at most PREFILL_TOKENS tokens, longest prompts first, each
-  chunk as wide as its longest prompt) causally, without a mask, so SDPA takes its flash kernel; the first new token's logits come
-  from each row's last prompt position;
+  chunk as wide as its longest prompt) causally, without a mask, so SDPA takes its flash kernel; the first new
+  token's logits come from each row's last prompt position;
 - each decode step feeds one token per sequence. On an Ampere or newer GPU with bf16/fp16 weights, attention is
   flash attention's variable-length kernel reading each row's first `kv_lengths[b]` keys (`seqused_k`); the G
   query heads that share a key/value head run as G query positions of that head, so each key/value is read once
@@ -399,8 +399,7 @@ class StaticDecoder:
                 start += len(rows)
         finally:
             state.cache.prefill_rows = None
-        order = torch.tensor(order, device=self.device)
-        return torch.cat(logits)[torch.argsort(order)]
+        return torch.cat(logits)[torch.argsort(torch.tensor(order, device=self.device))]
 
     def _decode(
         self,

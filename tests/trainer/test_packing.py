@@ -196,7 +196,7 @@ def test_varlen_flash_check_keeps_the_loop_where_the_kernel_fails_or_disagrees(m
     that agrees with the loop (forward and backward) is accepted, one that does not is refused."""
     check = packing._varlen_flash_agrees.__wrapped__  # uncached
     cpu = torch.device("cpu")
-    with pytest.warns(UserWarning, match="not used on cpu .*NotImplementedError|not used on cpu .*RuntimeError"):
+    with pytest.warns(UserWarning, match=r"not used on cpu .*(NotImplementedError|RuntimeError)"):
         assert not check(cpu, torch.float32, 6, 2, 16)
     monkeypatch.setattr(packing, "varlen_flash_attention", packing._sdpa_loop)
     assert check(cpu, torch.float32, 6, 2, 16)
