@@ -118,9 +118,21 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0
     if segments is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    if dropout == 0.0 and varlen_flash_applies(query, key):
-        return varlen_flash_attention(query, key, value, segments, scaling), None
+    if dropout == 0.0:
+        # under autocast the rotary step leaves query and key in float32 (its cos/sin are); SDPA would cast them to
+        # the autocast dtype itself, so the flash kernel gets what SDPA would compute with
+        compute = [x.to(_autocast_dtype(x)) for x in (query, key, value)]
+        if varlen_flash_applies(compute[0], compute[1]):
+            return varlen_flash_attention(*compute, segments, scaling), None
     return _sdpa_loop(query, key, value, segments, scaling, dropout), None
+
+
+def _autocast_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """The dtype an autocast-listed op (SDPA) computes `tensor` in: the autocast dtype of its device where autocast
+    is on there and `tensor` is float32, else its own."""
+    if tensor.dtype == torch.float32 and torch.is_autocast_enabled(tensor.device.type):
+        return torch.get_autocast_dtype(tensor.device.type)
+    return tensor.dtype
 
 
 def varlen_flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: Sequence[int],
