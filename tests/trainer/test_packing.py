@@ -269,8 +269,9 @@ def test_gpu_varlen_flash_equals_the_sdpa_loop_forward_and_backward(heads, kv_he
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flash attention's variable-length kernel needs a GPU")
 def test_gpu_packed_model_uses_one_varlen_call_a_layer(tiny_dir, monkeypatch):
-    """A packed bf16 forward and backward of the embedded model on a GPU: one flash call per layer (not one per
-    trajectory), and the loss and every parameter's gradient as with the SDPA loop."""
+    """A packed forward and backward of the embedded model on a GPU as the passes run it (float32 weights under bf16
+    autocast): one flash call per layer (not one per trajectory), and the loss and every parameter's gradient as
+    with the SDPA loop."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).cuda()
@@ -289,6 +290,7 @@ def test_gpu_packed_model_uses_one_varlen_call_a_layer(tiny_dir, monkeypatch):
         loss.backward()
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
+    loss_and_grads()  # the first packed forward runs the once-per-layout check, which calls the kernel itself
     calls = []
     varlen = packing.varlen_flash_attention
     monkeypatch.setattr(packing, "varlen_flash_attention", lambda *a: calls.append(1) or varlen(*a))
