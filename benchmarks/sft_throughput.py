@@ -87,7 +87,7 @@ def flops_per_step(rows: list[SftSample], cfg, trained_logits_only: bool = False
     return total
 
 
-def build(cfg, attn: str, device: torch.device, liger: bool) -> torch.nn.Module:
+def build(cfg, attn: str, device: torch.device, liger: bool, fsdp: bool = True) -> torch.nn.Module:
     from transformers import Qwen2ForCausalLM
 
     from SPA_agent.trainer.packing import avoid_cudnn_attention, enable_packed_attention
@@ -103,6 +103,8 @@ def build(cfg, attn: str, device: torch.device, liger: bool) -> torch.nn.Module:
         avoid_cudnn_attention()
     if liger:
         apply_liger(model)
+    if not fsdp:  # plain float32 module; bf16 comes from autocast around the loss (see `measure`)
+        return model
     mesh = init_device_mesh(device.type, (1,))
     return shard(model, mesh, bf16=device.type == "cuda")
 
@@ -138,11 +140,17 @@ def step(model, optimizer, rows, plan, pad_to, packed_pad, device, loss_sum) -> 
 
 
 def measure(name, cfg, attn, rows, make_plan, pad_to, packed_pad, args, device, liger: bool,
-            fused: bool = False) -> dict:
-    model = build(cfg, attn, device, liger)
+            fused: bool = False, fsdp: bool = True) -> dict:
+    model = build(cfg, attn, device, liger, fsdp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.01,
                                   fused=fused or None)
     loss_sum = (lambda m, b: fused_token_loss_sum(m, b, args.liger_chunk_mem_const)) if liger else token_loss_sum
+    if not fsdp and device.type == "cuda":
+        plain_loss_sum = loss_sum
+
+        def loss_sum(m, b):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                return plain_loss_sum(m, b)
     times, tokens, flops, trained_flops, first_step, phases = [], [], [], [], None, []
     for k in range(args.warmup + args.steps):
         batch_rows = rows[(k * args.batch) % len(rows):][:args.batch]
@@ -161,10 +169,21 @@ def measure(name, cfg, attn, rows, make_plan, pad_to, packed_pad, args, device, 
             tokens.append(sum(len(r) for r in batch_rows))
             flops.append(flops_per_step(batch_rows, cfg))
             trained_flops.append(flops_per_step(batch_rows, cfg, trained_logits_only=True))
+    if args.profile:  # one more step under the profiler: operator tables by own GPU and own host time
+        from torch.profiler import ProfilerActivity, profile
+
+        batch_rows = rows[:args.batch]
+        plan = make_plan(list(range(len(batch_rows))), [len(r) for r in batch_rows])
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            step(model, optimizer, batch_rows, plan, pad_to, packed_pad, device, loss_sum)
+        for key in (["self_cuda_time_total"] if device.type == "cuda" else []) + ["self_cpu_time_total"]:
+            print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=70), flush=True)
     rates = [t / s for t, s in zip(tokens, times)]
     mfu = [f / s / PEAK_FLOPS for f, s in zip(flops, times)]
     mfu_trained = [f / s / PEAK_FLOPS for f, s in zip(trained_flops, times)]
     result = {"metric": "sft_useful_tokens_per_s", "variant": name, "attn": attn, "liger": liger, "fused_adamw": fused,
+              "fsdp": fsdp,
               "phases_s": {p: round(statistics.median(s[p] for s in phases), 4) for p in phases[0]},
               "median": statistics.median(rates), "min": min(rates), "max": max(rates), "unit": "tokens/s",
               "mfu": statistics.median(mfu), "mfu_trained_logits": statistics.median(mfu_trained),
@@ -190,10 +209,16 @@ def main() -> None:
                         help="model layout (random weights)")
     parser.add_argument("--variants", nargs="+", default=["original", "packed-sdpa", "packed-flex"],
                         choices=["original", "packed-sdpa", "packed-varlen", "packed-flex"])
+    parser.add_argument("--fsdp", choices=["on", "off", "both"], default="on",
+                        help="FSDP2 with bf16 mixed precision (the trainer's), or a plain float32 module under bf16 "
+                             "autocast (the PPO trainer's local backend), or both in turn")
     parser.add_argument("--fused", choices=["off", "on", "both"], default="off",
                         help="AdamW's fused CUDA kernel (off: PyTorch's default, foreach), or both in turn")
     parser.add_argument("--liger", choices=["off", "on", "both"], default="off",
                         help="Liger kernels (model.use_liger): off, on, or both (plain first); GPU only")
+    parser.add_argument("--profile", action="store_true",
+                        help="after each variant's timed steps, one more step under torch's profiler: its operator "
+                             "tables by own GPU time and by own host time")
     parser.add_argument("--liger-chunk-mem-const", type=int, default=CHUNK_MEM_CONST,
                         help="Liger fused cross-entropy chunking (larger = fewer, bigger chunks)")
     args = parser.parse_args()
@@ -223,17 +248,19 @@ def main() -> None:
         parser.exit(2, "error: --fused needs a CUDA GPU\n")
     packed = {"packed-sdpa": ("sdpa", 0), "packed-varlen": ("packed_sdpa", 0),
               "packed-flex": ("flex_attention", args.multiple)}
-    for liger in ligers:
+    fsdps = {"on": [True], "off": [False], "both": [True, False]}[args.fsdp]
+    for liger, fsdp in [(liger, fsdp) for liger in ligers for fsdp in fsdps]:
         for fused in fuseds:
             if "original" in args.variants:
                 measure("original: micro 1, padded to max_length", cfg, "sdpa", rows,
-                        lambda idx, lens: plan_padded(idx, lens, 1, 1), max_length, None, args, device, liger, fused)
+                        lambda idx, lens: plan_padded(idx, lens, 1, 1), max_length, None, args, device, liger, fused,
+                        fsdp)
             for budget in args.budgets:
                 plan = lambda idx, lens, b=budget: plan_packed(idx, lens, 1, b)
                 for variant in [v for v in args.variants if v in packed]:
                     attn, multiple = packed[variant]
                     name = f"{variant} {budget} tokens" + (f", rows padded to x{multiple}" if multiple else "")
-                    measure(name, cfg, attn, rows, plan, None, multiple, args, device, liger, fused)
+                    measure(name, cfg, attn, rows, plan, None, multiple, args, device, liger, fused, fsdp)
     dist.destroy_process_group()
 
 

@@ -37,6 +37,11 @@ def check_sft_config(cfg: DictConfig, world_size: int = 1) -> None:
     if len(check_list(cfg, "optim.betas", float, "[0.9,0.95]")) != 2:
         raise ValueError(f"optim.betas must hold two numbers, got {list(cfg.optim.betas)}")
     check_list(cfg, "trainer.logger", str, "['console']")
+    fsdp = OmegaConf.select(cfg, "trainer.fsdp", default="auto")
+    if fsdp not in ("auto", True, False):
+        raise ValueError(f"trainer.fsdp must be auto, true or false, got {fsdp!r}")
+    if fsdp is False and world_size > 1:
+        raise ValueError(f"trainer.fsdp=false trains one rank only, got {world_size} ranks (use auto or true)")
     check_batch_sizes(cfg, world_size)
 
 

@@ -2,7 +2,8 @@
 
 Every rank loads the same fp32 weights on the CPU; `fully_shard` then shards each decoder layer and the root
 over the device mesh and moves the shards to the mesh's device. On GPU the forward and backward run in bf16
-(`MixedPrecisionPolicy`), gradients are reduced in fp32, the optimizer keeps fp32 master weights.
+(`MixedPrecisionPolicy`), gradients are reduced in fp32, the optimizer keeps fp32 master weights. A single rank
+skips `shard` by default (`trainer.fsdp=auto`, sft/spa_sft_trainer.py): a plain module under bf16 autocast.
 """
 
 from __future__ import annotations

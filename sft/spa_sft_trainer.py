@@ -12,6 +12,8 @@ tokens, so the update does not depend on the micro-batch split or the number of 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import math
 import os
@@ -259,7 +261,14 @@ class SftTrainer:
         self.loss_sum = fused_token_loss_sum if mcfg.use_liger else token_loss_sum
         model = add_lora(model, mcfg, "model")
         self.lora_scale = mcfg.lora_alpha / mcfg.lora_rank if mcfg.lora_rank > 0 else None
-        self.model = shard(model, self.mesh, bf16=self.device.type == "cuda")
+        fsdp = self.cfg.trainer.get("fsdp", "auto")
+        if fsdp is True or (fsdp == "auto" and self.world_size > 1):
+            self.model = shard(model, self.mesh, bf16=self.device.type == "cuda")
+            self.compute = contextlib.nullcontext  # FSDP's mixed precision casts weights and inputs to bf16
+        else:
+            self.model = model.to(self.device)
+            self.compute = functools.partial(torch.autocast, "cuda", torch.bfloat16) \
+                if self.device.type == "cuda" else contextlib.nullcontext
 
     def _build_optimizer(self) -> None:
         from transformers import get_cosine_schedule_with_warmup
@@ -330,13 +339,18 @@ class SftTrainer:
             end_of_epoch = self.global_step % self.steps_per_epoch == 0 or self.global_step == self.total_steps
             if end_of_epoch and self.val_data is not None:
                 self.heartbeat.doing(f"sft: validation after step {self.global_step} running")
+                start = time.perf_counter()
                 metrics["val/loss"] = self.validate()
+                metrics["val/seconds"] = time.perf_counter() - start
             self._log(metrics | {"train/epoch": epoch + (index + 1) / self.steps_per_epoch}, bar)
             self.heartbeat.mark()
             freq = self.cfg.trainer.save_freq
             if end_of_epoch or (freq and freq > 0 and self.global_step % freq == 0):
                 self.heartbeat.doing(f"sft: saving global_step_{self.global_step}")
-                self.save_checkpoint(end_of_epoch)
+                start = time.perf_counter()
+                saved = self.save_checkpoint(end_of_epoch)
+                if self.rank == 0:
+                    tqdm.write(f"saved {saved.name} ({time.perf_counter() - start:.1f} s)")
         bar.close()
 
     def _collate(self, indices: list[int], dataset: SpaSftDataset) -> dict[str, torch.Tensor]:
@@ -362,7 +376,8 @@ class SftTrainer:
         scale = self.world_size / max(n_loss, 1)
         loss_sum = torch.zeros((), device=self.device)
         for batch in batches[self.rank]:
-            loss = self.loss_sum(self.model, {k: v.to(self.device) for k, v in batch.items()})
+            with self.compute():
+                loss = self.loss_sum(self.model, {k: v.to(self.device) for k, v in batch.items()})
             (loss * scale).backward()
             loss_sum += loss.detach()
         lr = self.scheduler.get_last_lr()[0]
@@ -373,7 +388,8 @@ class SftTrainer:
         elapsed = time.perf_counter() - start
         return {"train/loss": loss_sum.item() / max(n_loss, 1), "train/lr": lr,
                 "train/grad_norm": grad_norm, "train/tokens_per_s": real / elapsed,
-                "train/useful_token_fraction": real / slots, "train/loss_tokens": float(n_loss)}
+                "train/useful_token_fraction": real / slots, "train/loss_tokens": float(n_loss),
+                "train/step_s": elapsed}
 
     def _clip_and_step(self) -> float:
         """Clip to optim.clip_grad, step unless the norm is not finite (spec §9.2), advance the schedule."""
@@ -394,7 +410,8 @@ class SftTrainer:
         totals = torch.zeros(2, device=self.device, dtype=torch.float64)
         for micro in plan[self.rank]:
             batch = self._collate(micro, self.val_data)
-            totals[0] += self.loss_sum(self.model, {k: v.to(self.device) for k, v in batch.items()}).double()
+            with self.compute():
+                totals[0] += self.loss_sum(self.model, {k: v.to(self.device) for k, v in batch.items()}).double()
             totals[1] += count_loss_tokens(batch)
         dist.all_reduce(totals)
         return (totals[0] / totals[1].clamp(min=1)).item()
@@ -408,9 +425,9 @@ class SftTrainer:
                         tok_s=f"{metrics['train/tokens_per_s']:.0f}")
         if bar.disable:  # no terminal: one plain line per step for the log file
             print(f"step {self.global_step}/{self.total_steps}: loss {metrics['train/loss']:.4f} "
-                  f"lr {metrics['train/lr']:.2e}", flush=True)
+                  f"lr {metrics['train/lr']:.2e} ({metrics['train/step_s']:.2f} s)", flush=True)
         if "val/loss" in metrics:
-            tqdm.write(f"step {self.global_step}: val/loss {metrics['val/loss']:.4f}")
+            tqdm.write(f"step {self.global_step}: val/loss {metrics['val/loss']:.4f} ({metrics['val/seconds']:.1f} s)")
 
     # ---------------------------------------------------------------- checkpoints
     def save_checkpoint(self, end_of_epoch: bool) -> Path:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -116,6 +117,43 @@ def test_resume_after_interruption_equals_uninterrupted_run(full_run, data_dir, 
     weights = [load_file(d / "global_step_6" / "model.safetensors") for d in (full_run, tmp_path)]
     for key, value in weights[0].items():
         torch.testing.assert_close(weights[1][key], value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_one_rank_plain_module_equals_one_rank_fsdp(full_run, data_dir, tmp_path):
+    """One rank trains a plain module (trainer.fsdp=auto) with FSDP2's losses and weights: in float32 on CPU the
+    two differ by summation order at most."""
+    run(compose(overrides(data_dir, tmp_path, "trainer.fsdp=true")))
+    for a, b in zip(records(full_run), records(tmp_path), strict=True):
+        assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-5)
+        assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-4)
+    weights = [load_file(d / "global_step_6" / "model.safetensors") for d in (full_run, tmp_path)]
+    assert weights[0].keys() == weights[1].keys()
+    for key, value in weights[0].items():
+        torch.testing.assert_close(weights[1][key], value, rtol=1e-5, atol=1e-6)
+
+
+def test_fsdp_auto_shards_only_with_several_ranks(data_dir, tmp_path):
+    from torch.distributed.fsdp import FSDPModule
+
+    for value, sharded in (("auto", False), ("true", True)):
+        trainer = SftTrainer(compose(overrides(data_dir, tmp_path / value, f"trainer.fsdp={value}")))
+        try:
+            trainer.setup()
+            assert isinstance(trainer.model, FSDPModule) == sharded, value
+        finally:
+            trainer.cleanup()
+
+
+@pytest.mark.parametrize("value, ranks, message", [
+    ("sometimes", 1, "trainer.fsdp must be auto, true or false, got 'sometimes'"),
+    ("false", 2, "trainer.fsdp=false trains one rank only, got 2 ranks (use auto or true)"),
+])
+def test_fsdp_setting_is_checked(data_dir, tmp_path, value, ranks, message):
+    from sft.config_checks import check_sft_config
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_sft_config(compose(overrides(data_dir, tmp_path, f"trainer.fsdp={value}")), ranks)
 
 
 @pytest.mark.slow
