@@ -170,6 +170,7 @@ class HFGenerator:
         compile_decode_step: bool = False,
         liger_kernels: bool | str = False,
         decode_attention: str = "auto",
+        keep_decode_graphs: bool = False,
     ):
         if batch_size is not None and batch_size != "auto" and (not isinstance(batch_size, int) or batch_size < 1):
             raise ValueError(f"generator.batch_size must be a positive integer, auto or null, got {batch_size!r}")
@@ -198,6 +199,8 @@ class HFGenerator:
         from SPA_agent.generators import split_kv_decode
 
         self.decode_attention = split_kv_decode.resolve(str(decode_attention), next(model.parameters()).device)
+        # the static decoder keeps its KV buffer and CUDA graphs between calls (static_decode.py, keep_graphs)
+        self.keep_decode_graphs = keep_decode_graphs
         self._static = None
         self._calls = 0
 
@@ -217,6 +220,7 @@ class HFGenerator:
             compile_decode_step=bool(cfg.get("compile_decode_step", False)),
             liger_kernels=cfg.get("liger_kernels", False),
             decode_attention=str(cfg.get("decode_attention", "auto")),
+            keep_decode_graphs=bool(cfg.get("keep_decode_graphs", False)),
         )
 
     @property
@@ -249,7 +253,7 @@ class HFGenerator:
                 sampled = self._generate_chunk([prompts[i].prompt_ids for i in chunk], generator)
                 for index, ids in zip(chunk, sampled):
                     results[index] = self._to_generation(ids)
-        if self._static is not None:
+        if self._static is not None and not self.keep_decode_graphs:
             self._static.release()  # give the KV buffers back (the PPO actor trains on the same device)
         return results
 
@@ -270,7 +274,8 @@ class HFGenerator:
             from SPA_agent.generators.static_decode import StaticDecoder
 
             self._static = StaticDecoder(self.model, self.stop_ids, self.pad_id, use_cuda_graphs=self.cuda_graphs,
-                                         compile_step=self.compile_decode_step, attention=self.decode_attention)
+                                         compile_step=self.compile_decode_step, attention=self.decode_attention,
+                                         keep_graphs=self.keep_decode_graphs)
         return self._static.generate(input_ids, attention_mask, self.sampling, generator).tolist()
 
     def _with_generate(

@@ -24,6 +24,19 @@ dominates decoding time for GQA models at large batch. Here:
   Rows are independent, so the running rows' logits, and every sample, are unchanged (tested);
 - on GPU the decode step (forward + cache bookkeeping) is captured once per (B, L) in a CUDA graph and replayed,
   which removes the per-kernel launch overhead of a 24–28-layer model;
+- optionally (`keep_graphs`, generator.keep_decode_graphs) the buffers and graphs outlive a call. A rollout's
+  calls (one a turn) differ in B and L, so each captured a new graph (0.8–1.3 s of a PPO step's ~6.7 s of
+  generation on SmolLM2, H200). Kept, all calls share one KV buffer of `rows` × `max_len` keys, grown when a call
+  needs more: rows to its batch rounded up to BATCH_BUCKET, keys at least CAPACITY_GROWTH-fold (a new buffer drops
+  every state, whose graphs read the old one), so a run regrows it a few times, and the buffer holds at most
+  CAPACITY_GROWTH times the longest call's keys. A decode state (and graph) is kept per batch size rounded up to
+  BATCH_BUCKET and uses the buffer's first rows; its row stride is the buffer's `max_len`, so cu_seqlens_k = b·L
+  stays right. The extra rows are padding: finished from the start (they read one key, as finished rows do), never
+  prefilled, and the sampler sees the real rows' logits only, so every random draw, and every sample, is what the
+  decoder without kept graphs draws (tested). Weights updated in place (an optimizer step, `copy_`) are what the
+  kept graphs read; weights moved to new tensors drop the states (their addresses are compared every call).
+  Off by default: not yet measured on a GPU, and the buffer and graphs stay allocated while a PPO actor trains
+  on the same GPU;
 - optionally (`compile_step`) the decode step is compiled with `torch.compile` first, so each layer's elementwise
   operations (norms, rotary embedding, activations, residual adds) run as a few fused kernels instead of dozens: a
   narrow model's step is mostly such small kernels. It is compiled once with dynamic shapes, so every batch size and
@@ -41,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -60,6 +74,10 @@ DECODE_KWARG = "spa_decode"
 ATTENTION_KERNELS = ("flash", "split_kv")
 # On GPU, cache lengths are multiples of this, so batches of similar length share a graph.
 PROMPT_BUCKET = 64
+#: with keep_graphs: decode states hold a multiple of this many rows (the rest are padding rows)
+BATCH_BUCKET = 16
+#: with keep_graphs: a call longer than the KV buffer grows its keys per row at least this many times
+CAPACITY_GROWTH = 2
 CHECK_EVERY = 16  # decode steps between checks whether every sequence has finished
 PREFILL_TOKENS = 32768  # prompt tokens (rows × chunk width) per prefill forward; at least one row
 
@@ -171,8 +189,29 @@ def _cache_base():
     return Cache
 
 
+class KVStorage:
+    """Keys and values of every layer, (rows, max_len, H_kv, D) each, allocated at a layer's first write (in its
+    head count, size and dtype). A decode state of b ≤ rows rows uses the first b rows: their row stride is
+    max_len, so row r's keys start at flat position r·max_len in that view too."""
+
+    def __init__(self, rows: int, max_len: int):
+        self.rows, self.max_len = rows, max_len
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def layer(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor,
+              rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer_idx`'s keys and values, their first `rows` rows."""
+        if layer_idx == len(self.keys):
+            _, kv_heads, _, head_dim = key_states.shape
+            shape = (self.rows, self.max_len, kv_heads, head_dim)
+            self.keys.append(key_states.new_zeros(shape))
+            self.values.append(value_states.new_zeros(shape))
+        return self.keys[layer_idx][:rows], self.values[layer_idx][:rows]
+
+
 class StaticKVCache(_cache_base()):
-    """Preallocated keys/values, (B, L, H_kv, D) per layer, allocated on the first prefill.
+    """The first `batch` rows of a KVStorage, (B, L, H_kv, D) per layer.
 
     Implements the part of transformers' Cache API that attention layers use (`update`); it subclasses `Cache`
     only so that type checks in model code accept it, and initialises none of its dynamic state.
@@ -181,19 +220,12 @@ class StaticKVCache(_cache_base()):
     position (a (B,) tensor, updated in place between CUDA-graph replays) and returns the buffers.
     """
 
-    def __init__(self, batch: int, max_len: int, write_rows: torch.Tensor):
-        self.batch, self.max_len, self.write_rows = batch, max_len, write_rows
+    def __init__(self, batch: int, storage: KVStorage, write_rows: torch.Tensor):
+        self.batch, self.max_len, self.storage, self.write_rows = batch, storage.max_len, storage, write_rows
         self.prefill_rows: torch.Tensor | None = None
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        if layer_idx == len(self.keys):
-            _, kv_heads, _, head_dim = key_states.shape
-            shape = (self.batch, self.max_len, kv_heads, head_dim)
-            self.keys.append(key_states.new_zeros(shape))
-            self.values.append(value_states.new_zeros(shape))
-        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys, values = self.storage.layer(layer_idx, key_states, value_states, self.batch)
         if self.prefill_rows is not None:
             width = key_states.shape[2]
             keys[self.prefill_rows, :width] = key_states.transpose(1, 2)
@@ -239,13 +271,16 @@ class DecodeStats:
     prefill_tokens: int = 0  # prompt positions run through prefill, padding of each chunk included
     decode_steps: int = 0  # one-token forward passes of the whole decode batch
     capture_s: float = 0.0  # seconds spent capturing CUDA graphs
+    states_built: int = 0  # decode states built (on GPU a CUDA graph each); keep_graphs reuses them across calls
 
 
 class _DecodeState:
-    """Buffers of one (B, L) shape and, on GPU, the CUDA graph of one decode step over them."""
+    """Buffers of one (B, L) shape (the first B rows of a KVStorage of L keys a row) and, on GPU, the CUDA graph of
+    one decode step over them."""
 
-    def __init__(self, model, batch: int, max_len: int, use_cuda_graph: bool, step_fn=None, attention="flash"):
-        device = next(model.parameters()).device
+    def __init__(self, model, batch: int, storage: KVStorage, use_cuda_graph: bool, step_fn=None,
+                 attention="flash"):
+        device, max_len = next(model.parameters()).device, storage.max_len
         self.model, self.shape = model, (batch, max_len)
         self.input_ids = torch.zeros((batch, 1), dtype=torch.long, device=device)
         self.positions = torch.zeros(batch, dtype=torch.long, device=device)  # of the token being fed
@@ -258,7 +293,7 @@ class _DecodeState:
         self.finished = torch.zeros(batch, dtype=torch.bool, device=device)  # rows that emitted an end of turn
         # DECODE_KWARG: lengths, cu_seqlens of the grouped queries (G a row) and of the keys, the kernel
         self.decode = (self.kv_lengths, rows * group, rows * max_len, attention)
-        self.cache = StaticKVCache(batch, max_len, self.write_rows)
+        self.cache = StaticKVCache(batch, storage, self.write_rows)
         self.graph, self.logits = None, None
         self.capture_s = 0.0
         self._use_cuda_graph = use_cuda_graph
@@ -283,6 +318,12 @@ class _DecodeState:
             return self._step_fn(self)
         self.graph.replay()
         return self.logits
+
+    def pad_rows(self, batch: int) -> None:
+        """Rows from `batch` on are padding (keep_graphs' batch bucket): finished from the start, so each reads one
+        key, at position 0 of its own row; nothing samples their logits."""
+        self.finished[batch:] = True
+        self.positions[batch:] = 0
 
     def capture(self) -> None:
         """On GPU, record one decode step in a CUDA graph (once per state). Runs before the prefill, which
@@ -315,10 +356,10 @@ def left_aligned(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_id: 
 
 
 class StaticDecoder:
-    """Decodes padded batches with a static KV cache; see the module docstring."""
+    """Decodes padded batches with a static KV cache; see the module docstring (`keep_graphs` there too)."""
 
     def __init__(self, model, stop_ids: list[int], pad_id: int, use_cuda_graphs: bool = True,
-                 compile_step: bool = False, attention: str = "flash"):
+                 compile_step: bool = False, attention: str = "flash", keep_graphs: bool = False):
         if attention not in ATTENTION_KERNELS:
             raise ValueError(f"decode attention must be one of {ATTENTION_KERNELS}, got {attention!r}")
         layer_types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
@@ -328,18 +369,21 @@ class StaticDecoder:
             )
         self.model, self.pad_id = model, pad_id
         self.device = next(model.parameters()).device
-        self.attention = attention
+        self.attention, self.keep_graphs = attention, keep_graphs
         self.stop_ids = torch.tensor(stop_ids, device=self.device)
         self.use_cuda_graphs = use_cuda_graphs and self.device.type == "cuda"
         # one compiled step for every (B, L): dynamic shapes, so a new batch size or cache length does not recompile
         self._step_fn = torch.compile(_DecodeState.forward_step, dynamic=True) if compile_step else None
-        self._state: _DecodeState | None = None
+        self._storage: KVStorage | None = None
+        self._states: dict[int, _DecodeState] = {}  # by rows: every state reads the first rows of _storage
+        self._weight_addresses: list[int] = []  # with keep_graphs: the weights' addresses the states were built at
         self.last_capture_s = 0.0  # seconds the last call spent capturing CUDA graphs
         self.stats = DecodeStats()
 
     def release(self) -> None:
-        """Free the KV buffers and the CUDA graph (they are rebuilt on the next call)."""
-        self._state = None
+        """Free the KV buffers and the CUDA graphs (they are rebuilt on the next call)."""
+        self._states.clear()
+        self._storage = None
 
     def generate(
         self,
@@ -354,22 +398,55 @@ class StaticDecoder:
         max_len = prompts.shape[1] + params.max_new_tokens
         if self.use_cuda_graphs:  # fewer distinct shapes, so fewer graphs
             max_len += -max_len % PROMPT_BUCKET
+        if self.keep_graphs:
+            self._follow_weights()
         state = self._state_for(prompts.shape[0], max_len)
         captured_before = state.capture_s
         with decode_attention_mode(self.model):
             state.capture()
+            state.pad_rows(prompts.shape[0])
             logits = self._prefill(state, prompts, lengths)
             tokens = self._decode(state, logits, lengths, params, generator)
         self.last_capture_s = state.capture_s - captured_before
         self.stats.capture_s += self.last_capture_s
         return tokens
 
+    def _follow_weights(self) -> None:
+        """Kept CUDA graphs read the weights at the addresses they were captured with: updates in place (an
+        optimizer step, `copy_`) reach them, tensors put in the weights' place would not, so new addresses drop
+        every state."""
+        addresses = [t.data_ptr() for t in itertools.chain(self.model.parameters(), self.model.buffers())]
+        if addresses != self._weight_addresses:
+            self.release()
+            self._weight_addresses = addresses
+
     def _state_for(self, batch: int, max_len: int) -> _DecodeState:
-        if self._state is None or self._state.shape != (batch, max_len):
-            self._state = None  # free the old buffers before allocating new ones
-            self._state = _DecodeState(self.model, batch, max_len, self.use_cuda_graphs, self._step_fn,
-                                       self.attention)
-        return self._state
+        """A decode state of at least `batch` rows and `max_len` keys a row: exactly that shape, or with
+        keep_graphs the state of the batch rounded up to BATCH_BUCKET over the shared buffer."""
+        rows = -(-batch // BATCH_BUCKET) * BATCH_BUCKET if self.keep_graphs else batch
+        if self.keep_graphs:
+            self._reserve(rows, max_len)
+        elif self._storage is None or (self._storage.rows, self._storage.max_len) != (batch, max_len):
+            self.release()  # free the old buffers before allocating new ones
+            self._storage = KVStorage(batch, max_len)
+        if rows not in self._states:
+            self._states[rows] = _DecodeState(self.model, rows, self._storage, self.use_cuda_graphs, self._step_fn,
+                                              self.attention)
+            self.stats.states_built += 1
+        return self._states[rows]
+
+    def _reserve(self, rows: int, max_len: int) -> None:
+        """Grow the shared KV buffer (keep_graphs) to hold `rows` rows of `max_len` keys: rows to what is asked,
+        keys at least CAPACITY_GROWTH-fold. A new buffer drops every state: their graphs read the old one."""
+        storage = self._storage
+        if storage is not None:
+            if rows <= storage.rows and max_len <= storage.max_len:
+                return
+            if max_len > storage.max_len:
+                max_len = max(max_len, CAPACITY_GROWTH * storage.max_len)
+            rows, max_len = max(rows, storage.rows), max(max_len, storage.max_len)
+        self.release()  # free the old buffer before allocating the new one
+        self._storage = KVStorage(rows, max_len)
 
     def _prefill(self, state: _DecodeState, prompts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Run the right-padded prompts (B, P) causally in row chunks of at most PREFILL_TOKENS tokens, longest
@@ -410,21 +487,20 @@ class StaticDecoder:
         generator: torch.Generator,
     ) -> torch.Tensor:
         """Sample, feed back, repeat; (B, max_new_tokens) ids with `pad_id` after each end of turn."""
-        tokens = torch.full(
-            (logits.shape[0], params.max_new_tokens), self.pad_id, dtype=torch.long, device=self.device
-        )
-        done = torch.zeros(logits.shape[0], dtype=torch.bool, device=self.device)
+        batch = logits.shape[0]  # the state's rows past it are padding (`pad_rows`): never sampled
+        tokens = torch.full((batch, params.max_new_tokens), self.pad_id, dtype=torch.long, device=self.device)
+        done = torch.zeros(batch, dtype=torch.bool, device=self.device)
         for step in range(params.max_new_tokens):
             next_tokens = sample(logits, params, generator).masked_fill(done, self.pad_id)
             tokens[:, step] = next_tokens
             done |= torch.isin(next_tokens, self.stop_ids)
-            state.finished.copy_(done)
+            state.finished[:batch].copy_(done)
             if step == params.max_new_tokens - 1 or (
                 step % CHECK_EVERY == CHECK_EVERY - 1 and bool(done.all())
             ):
                 break
-            state.input_ids.copy_(next_tokens[:, None])
-            state.positions.copy_(prompt_lengths + step)
-            logits = state.step()
+            state.input_ids[:batch].copy_(next_tokens[:, None])
+            state.positions[:batch].copy_(prompt_lengths + step)
+            logits = state.step()[:batch]
             self.stats.decode_steps += 1
         return tokens

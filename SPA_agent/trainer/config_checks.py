@@ -48,6 +48,7 @@ def check_config(cfg: DictConfig) -> None:
     check_choice(cfg, "actor_rollout_ref.model.use_liger", (True, False, "auto"))
     if OmegaConf.select(cfg, "generator.name") == "hf":
         check_choice(cfg, "generator.decode_attention", DECODE_ATTENTION)
+        check_choice(cfg, "generator.keep_decode_graphs", (True, False))
     _check_backend(cfg)
     _check_batch_sizes(cfg)
     _check_algorithm(cfg)
