@@ -163,6 +163,10 @@ def test_run_baseline_trains_from_the_base_model_and_prints_the_summary(backgrou
      "GPUS takes a number of GPUs, got 'all'"),
     ("benchmarks/smollm2_sweep.sh", (), {"SFT_GPUS": "0", "GPUS": "0", "OUT": "/nonexistent/out"},
      "SFT_GPUS takes a number of GPUs (at least 1), got '0'"),
+    ("benchmarks/smollm2_sweep.sh", (), {"GENERATOR": "expert", "GPUS": "0", "OUT": "/nonexistent/out"},
+     "GENERATOR must be random or solver, got 'expert'"),
+    ("benchmarks/smollm2_sweep.sh", (), {"GPU_IDS": "2,3", "GPUS": "0", "OUT": "/nonexistent/out"},
+     "GPU_IDS takes GPU numbers separated by spaces, got '2,3'"),
     ("benchmarks/smollm2_step.sh", ("/nonexistent/out", "/nonexistent/data"), {},
      "'/nonexistent/data' holds no wm_train.parquet"),
 ])
