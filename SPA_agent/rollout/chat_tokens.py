@@ -44,6 +44,7 @@ class ChatTokenizer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self._encoded: dict[str, tuple[int, ...]] = {}
+        self._system_texts: dict[str, str] = {}  # the rendered system turn by its content: the same for every build
         self.eos_texts = {tokenizer.convert_ids_to_tokens(i): i for i in self._eos_ids()}
 
     def _eos_ids(self) -> list[int]:
@@ -125,7 +126,15 @@ class ChatTokenizer:
     def _system_text(self, messages: list[dict]) -> str:
         if not messages or messages[0]["role"] != "system":
             return ""
-        return self.tokenizer.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=False)
+        content = messages[0]["content"]
+        if not isinstance(content, str):  # (content parts are not remembered)
+            return self.tokenizer.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=False)
+        if content not in self._system_texts:
+            if len(self._system_texts) >= ENCODED_TEXTS_KEPT:
+                self._system_texts.clear()
+            self._system_texts[content] = self.tokenizer.apply_chat_template(messages[:1], tokenize=False,
+                                                                              add_generation_prompt=False)
+        return self._system_texts[content]
 
     def _drop_sampled_eos(self, piece: str, sampled: list[int]) -> str:
         """The template closes every assistant turn; if the model already sampled that token, don't repeat it."""
