@@ -16,9 +16,11 @@ REPEATS = [1, 12, 3, 40]
 
 
 def hf(model, tokenizer, sampling, decoder, batch_size=8, **settings):
-    """The generator with flash attention's decode path (the Triton split-KV kernel has its own tests)."""
+    """The generator with flash attention's decode path unless `settings` name another (the Triton split-KV kernel
+    has its own tests)."""
+    settings = {"decode_attention": "flash", **settings}
     return HFGenerator(model, tokenizer, sampling, batch_size=batch_size, decoder=decoder, progress=False,
-                       decode_attention="flash", **settings)
+                       **settings)
 
 
 def ids(generations):
@@ -394,19 +396,22 @@ def test_keep_decode_graphs_setting_is_read_and_checked(varied_model, tiny_token
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["flash", "masked"])
-def test_kept_cuda_graphs_decode_as_generate_on_gpu(varied_model, tiny_tokenizer, prompts_of_lengths, dtype):
+@pytest.mark.parametrize("dtype, attention", [(torch.float16, "flash"), (torch.float16, "split_kv"),
+                                              (torch.float32, "flash")], ids=["flash", "split_kv", "masked"])
+def test_kept_cuda_graphs_decode_as_generate_on_gpu(varied_model, tiny_tokenizer, prompts_of_lengths, dtype,
+                                                    attention):
     """generator.keep_decode_graphs on a GPU: consecutive calls of new batch sizes and lengths, then one after the
     weights were copied in place, replay CUDA graphs kept from the first calls (one per batch bucket, over one KV
-    buffer) and give generate's greedy tokens: in float16 with flash attention's kernel reading each row at the
-    buffer's row stride, in float32 with the masked SDPA decode."""
+    buffer) and give generate's greedy tokens: in float16 with flash attention's kernel or the Triton split-KV
+    kernel (the GPU default) reading each row at the buffer's row stride, in float32 with the masked SDPA decode."""
     from SPA_agent.generators import static_decode
 
     if dtype == torch.float16 and not static_decode._flash_capable(torch.device("cuda")):
         pytest.skip("flash attention needs an Ampere or newer GPU")
     model = copy.deepcopy(varied_model).to("cuda", dtype)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=24)
-    kept = hf(model, tiny_tokenizer, greedy, "static", batch_size=None, keep_decode_graphs=True)
+    kept = hf(model, tiny_tokenizer, greedy, "static", batch_size=None, keep_decode_graphs=True,
+              decode_attention=attention)
     plain = hf(model, tiny_tokenizer, greedy, "generate", batch_size=None)
     for lengths in KEPT_CALLS:
         prompts = prompts_of_lengths(lengths)
