@@ -61,7 +61,12 @@ if [[ -n "${SPA_PRINT_STAGE:-}" ]]; then
     printf '%s\n' "${stage_args[@]}" trainer.preflight_nproc="$nproc_per_node"
     exit 0
 fi
-# Check the config and data in one process first: a user error prints one line and exits with status 2.
+# Check the config and data in one process first: a user error prints one line and exits with status 2. The data it
+# tokenizes goes to the ranks through a temporary directory (sft/spa_sft_dataset.py, tokenized_dataset), removed on
+# exit: nobody tokenizes it again.
+SPA_SFT_TOKENIZED="$(mktemp -d)"
+export SPA_SFT_TOKENIZED
+trap 'rm -rf "$SPA_SFT_TOKENIZED"' EXIT
 "$python" "${stage_args[@]}" trainer.preflight_nproc="$nproc_per_node"
 
 # The lock of <save_path> is taken before anything is written there, its log included: a second run into the same

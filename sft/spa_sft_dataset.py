@@ -13,7 +13,9 @@ trained.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -205,3 +207,60 @@ class SpaSftDataset(torch.utils.data.Dataset):
     def lengths(self) -> list[int]:
         """Token count of every sample, in order."""
         return [len(s) for s in self.samples]
+
+    def save(self, path: Path, key: dict) -> None:
+        """The tokenized rows and their truncation report in one file, with `key` (what made them); the file
+        appears whole or not at all."""
+        lengths = torch.tensor(self.lengths, dtype=torch.long)
+        state = {"key": key, "lengths": lengths, "report": dataclasses.asdict(self.truncation_report),
+                 "input_ids": torch.cat([s.input_ids for s in self.samples]).to(torch.int32),
+                 "loss_mask": torch.cat([s.loss_mask for s in self.samples]).to(torch.int8)}
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        torch.save(state, partial)
+        os.replace(partial, path)
+
+    @classmethod
+    def load(cls, path: Path, key: dict) -> SpaSftDataset | None:
+        """The dataset `save` wrote to `path` with the same `key`; None if there is none."""
+        if not path.is_file():
+            return None
+        state = torch.load(path, weights_only=True)
+        if state["key"] != key:
+            return None
+        dataset = cls.__new__(cls)
+        dataset.loss_target, dataset.truncation = LossTarget.parse(key["loss_target"]), Truncation(key["truncation"])
+        dataset.max_length, dataset.files = key["max_length"], [f[0] for f in key["files"]]
+        lengths = state["lengths"].tolist()
+        dataset.samples = [SftSample(ids.long(), mask.long()) for ids, mask in
+                           zip(state["input_ids"].split(lengths), state["loss_mask"].split(lengths))]
+        report = state["report"]
+        dataset.truncation_report = TruncationReport(**{**report, "cuts": tuple(report["cuts"])})
+        return dataset
+
+
+#: names a directory (sft/finetune_ft.sh makes a temporary one) through which the processes of one SFT run share the
+#: tokenized data: the preflight tokenizes and writes it, every rank reads it instead of tokenizing again
+TOKENIZED_DIR_ENV = "SPA_SFT_TOKENIZED"
+
+
+def tokenized_dataset(name: str, files: str | Sequence[str], tokenizer, max_length: int = 2048,
+                      truncation: str = "left", loss_target: str = "paper", prompt_key: str = "prompt",
+                      response_key: str = "response") -> SpaSftDataset:
+    """`SpaSftDataset(files, tokenizer, ...)`, shared as `<$SPA_SFT_TOKENIZED>/<name>.pt` where that is set: read
+    from there when an earlier process of the run wrote it from the same files (path, size, modification time),
+    tokenizer and settings, else tokenized and written there."""
+    make = lambda: SpaSftDataset(files, tokenizer, max_length, truncation, loss_target, prompt_key, response_key)
+    directory = os.environ.get(TOKENIZED_DIR_ENV)
+    paths = [Path(files)] if isinstance(files, (str, Path)) else [Path(f) for f in files]
+    if not directory or not paths or not all(path.is_file() for path in paths):
+        return make()  # (missing files are SpaSftDataset's error to report)
+    key = {"files": [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in paths],
+           "tokenizer": str(tokenizer.name_or_path), "vocabulary": len(tokenizer), "max_length": max_length,
+           "truncation": truncation, "loss_target": loss_target, "prompt_key": prompt_key,
+           "response_key": response_key}
+    path = Path(directory) / f"{name}.pt"
+    dataset = SpaSftDataset.load(path, key)
+    if dataset is None:
+        dataset = make()
+        dataset.save(path, key)
+    return dataset

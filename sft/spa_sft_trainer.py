@@ -48,7 +48,7 @@ from sft.packing import (
     plan_padded,
     token_loss_sum,
 )
-from sft.spa_sft_dataset import SpaSftDataset
+from sft.spa_sft_dataset import SpaSftDataset, tokenized_dataset
 from SPA_agent.entry import EXIT_INTERRUPTED, hydra_entry
 from SPA_agent.model_presets import resolve_model_path
 from SPA_agent.runs import atomic_io, checkpoints, run_identity
@@ -228,13 +228,13 @@ class SftTrainer:
         prepare_tokenizer(self.tokenizer, LossTarget.parse(data.loss_target))
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
             else self.tokenizer.eos_token_id
-        make = lambda files: SpaSftDataset(
-            OmegaConf.to_object(files) if OmegaConf.is_list(files) else files, self.tokenizer, data.max_length,
-            data.truncation, data.loss_target, data.prompt_key, data.response_key)
-        self.train_data = make(data.train_files)
+        make = lambda name, files: tokenized_dataset(
+            name, OmegaConf.to_object(files) if OmegaConf.is_list(files) else files, self.tokenizer,
+            data.max_length, data.truncation, data.loss_target, data.prompt_key, data.response_key)
+        self.train_data = make("train", data.train_files)
         # An empty validation file (data_gen.val_fraction=0) means no validation, as data.val_files=null does.
         self.empty_val_files = empty_files(data.val_files) if data.val_files else []
-        self.val_data = make(data.val_files) if data.val_files and not self.empty_val_files else None
+        self.val_data = make("val", data.val_files) if data.val_files and not self.empty_val_files else None
         self.steps_per_epoch = len(self.train_data) // data.train_batch_size
         if self.steps_per_epoch == 0:
             raise ValueError(f"the training set has {len(self.train_data)} rows, fewer than "

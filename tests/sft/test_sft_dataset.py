@@ -8,6 +8,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from sft_fixtures import PROMPT, RESPONSE, llama3_tokenizer, write_rows
 
 from sft.loss_targets import LossTarget, prepare_tokenizer
@@ -183,3 +184,40 @@ def test_bad_config_values_raise(tiny_tokenizer, row_file):
         SpaSftDataset(str(row_file), tiny_tokenizer, truncation="middle")
     with pytest.raises(ValueError, match="call sft.loss_targets.prepare_tokenizer"):
         SpaSftDataset(str(row_file), tiny_tokenizer, loss_target="released")
+
+
+def test_tokenized_rows_are_handed_to_the_next_process_of_the_run(tiny_tokenizer, tmp_path, monkeypatch):
+    """sft/finetune_ft.sh's preflight tokenizes the data once into $SPA_SFT_TOKENIZED; its ranks read the same
+    samples and truncation report back without tokenizing; other files or settings tokenize anew."""
+    from sft import spa_sft_dataset
+    from sft.spa_sft_dataset import TOKENIZED_DIR_ENV, tokenized_dataset
+
+    prompts, responses = [PROMPT, PROMPT[:2], PROMPT], [RESPONSE, RESPONSE, "<answer>Up</answer>"]
+    path = write_rows(tmp_path / "rows.parquet", prompts, responses)
+    max_length = sorted(SpaSftDataset(str(path), tiny_tokenizer, max_length=10_000).lengths)[1]  # one row is cut
+    monkeypatch.setenv(TOKENIZED_DIR_ENV, str(tmp_path / "shared"))
+    (tmp_path / "shared").mkdir()
+    written = tokenized_dataset("train", str(path), tiny_tokenizer, max_length=max_length)
+    assert [p.name for p in (tmp_path / "shared").iterdir()] == ["train.pt"]
+
+    tokenizations = []
+    tokenize = SpaSftDataset._tokenize
+    monkeypatch.setattr(SpaSftDataset, "_tokenize", lambda *a: tokenizations.append(1) or tokenize(*a))
+    read = tokenized_dataset("train", str(path), tiny_tokenizer, max_length=max_length)
+    assert tokenizations == []
+    assert read.truncation_report == written.truncation_report and read.truncation_report.cuts
+    assert len(read) == len(written) == 3
+    for a, b in zip(read.samples, written.samples):
+        assert a.input_ids.dtype == b.input_ids.dtype == torch.long and torch.equal(a.input_ids, b.input_ids)
+        assert a.loss_mask.dtype == torch.long and torch.equal(a.loss_mask, b.loss_mask)
+    assert (read.max_length, read.truncation, read.loss_target) == (written.max_length, written.truncation,
+                                                                    written.loss_target)
+
+    other = tokenized_dataset("train", str(path), tiny_tokenizer, max_length=max_length + 1)
+    assert tokenizations == [1]  # another setting: tokenized again
+    assert other.truncation_report.cuts == (written.truncation_report.cuts[0] - 1,)
+    write_rows(path, prompts[:2], responses[:2])  # the file changed
+    assert len(tokenized_dataset("train", str(path), tiny_tokenizer, max_length=max_length)) == 2
+    monkeypatch.delenv(TOKENIZED_DIR_ENV)
+    assert len(tokenized_dataset("train", str(path), tiny_tokenizer)) == 2 and len(tokenizations) == 3
+    assert spa_sft_dataset.TOKENIZED_DIR_ENV == "SPA_SFT_TOKENIZED"  # the name sft/finetune_ft.sh exports
