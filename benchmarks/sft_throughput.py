@@ -42,7 +42,7 @@ import torch.distributed as dist
 from model_shapes import SHAPES
 from torch.distributed.device_mesh import init_device_mesh
 
-from sft.fsdp_model import shard
+from sft.fsdp_model import place
 from sft.liger import CHUNK_MEM_CONST, apply_liger, check_liger, fused_token_loss_sum
 from sft.packing import (
     collate_packed,
@@ -87,7 +87,8 @@ def flops_per_step(rows: list[SftSample], cfg, trained_logits_only: bool = False
     return total
 
 
-def build(cfg, attn: str, device: torch.device, liger: bool, fsdp: bool = True) -> torch.nn.Module:
+def build(cfg, attn: str, device: torch.device, liger: bool, fsdp: bool = True):
+    """(model, the context its forward passes run in), placed as the trainer places it (`sft.fsdp_model.place`)."""
     from transformers import Qwen2ForCausalLM
 
     from SPA_agent.trainer.packing import avoid_cudnn_attention, enable_packed_attention
@@ -103,10 +104,7 @@ def build(cfg, attn: str, device: torch.device, liger: bool, fsdp: bool = True) 
         avoid_cudnn_attention()
     if liger:
         apply_liger(model)
-    if not fsdp:  # plain float32 module; bf16 comes from autocast around the loss (see `measure`)
-        return model
-    mesh = init_device_mesh(device.type, (1,))
-    return shard(model, mesh, bf16=device.type == "cuda")
+    return place(model, init_device_mesh(device.type, (1,)), device, fsdp)
 
 
 def step(model, optimizer, rows, plan, pad_to, packed_pad, device, loss_sum) -> dict[str, float]:
@@ -141,16 +139,15 @@ def step(model, optimizer, rows, plan, pad_to, packed_pad, device, loss_sum) -> 
 
 def measure(name, cfg, attn, rows, make_plan, pad_to, packed_pad, args, device, liger: bool,
             fused: bool = False, fsdp: bool = True) -> dict:
-    model = build(cfg, attn, device, liger, fsdp)
+    model, compute = build(cfg, attn, device, liger, fsdp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.01,
                                   fused=fused or None)
-    loss_sum = (lambda m, b: fused_token_loss_sum(m, b, args.liger_chunk_mem_const)) if liger else token_loss_sum
-    if not fsdp and device.type == "cuda":
-        plain_loss_sum = loss_sum
+    plain_loss_sum = (lambda m, b: fused_token_loss_sum(m, b, args.liger_chunk_mem_const)) if liger \
+        else token_loss_sum
 
-        def loss_sum(m, b):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                return plain_loss_sum(m, b)
+    def loss_sum(m, b):
+        with compute():
+            return plain_loss_sum(m, b)
     times, tokens, flops, trained_flops, first_step, phases = [], [], [], [], None, []
     for k in range(args.warmup + args.steps):
         batch_rows = rows[(k * args.batch) % len(rows):][:args.batch]

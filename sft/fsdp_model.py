@@ -2,11 +2,15 @@
 
 Every rank loads the same fp32 weights on the CPU; `fully_shard` then shards each decoder layer and the root
 over the device mesh and moves the shards to the mesh's device. On GPU the forward and backward run in bf16
-(`MixedPrecisionPolicy`), gradients are reduced in fp32, the optimizer keeps fp32 master weights. A single rank
-skips `shard` by default (`trainer.fsdp=auto`, sft/spa_sft_trainer.py): a plain module under bf16 autocast.
+(`MixedPrecisionPolicy`), gradients are reduced in fp32, the optimizer keeps fp32 master weights. `place` does
+that, or (a single rank by default, `trainer.fsdp=auto`) keeps a plain module under bf16 autocast.
 """
 
 from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -52,6 +56,18 @@ def shard(model: torch.nn.Module, mesh: DeviceMesh, bf16: bool) -> torch.nn.Modu
             fully_shard(module, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
+
+
+def place(model: torch.nn.Module, mesh: DeviceMesh, device: torch.device,
+          fsdp: bool) -> tuple[torch.nn.Module, Callable[[], contextlib.AbstractContextManager]]:
+    """The model ready to train on `device`, and the context its forward passes run in: sharded by `shard` (FSDP's
+    mixed precision casts weights and inputs to bf16 on GPU), or with `fsdp` false a plain float32 module whose
+    forward runs under bf16 autocast on GPU (as the PPO trainer's local backend): one rank has nothing to shard."""
+    if fsdp:
+        return shard(model, mesh, bf16=device.type == "cuda"), contextlib.nullcontext
+    compute = functools.partial(torch.autocast, "cuda", torch.bfloat16) if device.type == "cuda" \
+        else contextlib.nullcontext
+    return model.to(device), compute
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

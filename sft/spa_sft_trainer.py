@@ -12,8 +12,6 @@ tokens, so the update does not depend on the micro-batch split or the number of 
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import importlib.util
 import math
 import os
@@ -34,7 +32,7 @@ from sft.fsdp_model import (
     full_state_dict,
     load_model,
     merged_hf_state_dict,
-    shard,
+    place,
     trainable_state_dict,
 )
 from sft.launcher_death import die_with_launcher
@@ -262,13 +260,8 @@ class SftTrainer:
         model = add_lora(model, mcfg, "model")
         self.lora_scale = mcfg.lora_alpha / mcfg.lora_rank if mcfg.lora_rank > 0 else None
         fsdp = self.cfg.trainer.get("fsdp", "auto")
-        if fsdp is True or (fsdp == "auto" and self.world_size > 1):
-            self.model = shard(model, self.mesh, bf16=self.device.type == "cuda")
-            self.compute = contextlib.nullcontext  # FSDP's mixed precision casts weights and inputs to bf16
-        else:
-            self.model = model.to(self.device)
-            self.compute = functools.partial(torch.autocast, "cuda", torch.bfloat16) \
-                if self.device.type == "cuda" else contextlib.nullcontext
+        self.model, self.compute = place(model, self.mesh, self.device,
+                                         fsdp=fsdp is True or (fsdp == "auto" and self.world_size > 1))
 
     def _build_optimizer(self) -> None:
         from transformers import get_cosine_schedule_with_warmup
