@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 43's second study lease (and issue 42's checks), written for nvidia-h200-x4; on a two-GPU host each sweep
-# keeps its first arm only. The calling lease joins the SmolLM2 GGUF into /tmp/smol.gguf, installs the CPU wheels
+# keeps its first arm only (wm_gae and solver_wm_gae: both in the SFT's own prompts, random-action against solver data). The calling lease joins the SmolLM2 GGUF into /tmp/smol.gguf, installs the CPU wheels
 # (ray included) into /tmp/site and starts this script (setsid) from a copy of the tree in /tmp/repo.
 #   first, side by side: the GPU tests of the kept decode graphs and the packed attention (GPU 1), the conversion;
 #   then two sweeps of benchmarks/smollm2_sweep.sh side by side, each its data and SFT on its first GPU, then its
@@ -15,8 +15,8 @@
 #   3. carry part ac and ray's wheels, then: cat /tmp/p/<parts> > /tmp/smol.gguf (check its sha256),
 #      pip install --no-index --no-deps --target /tmp/site /tmp/p/*.whl, cp -r "$PWD" /tmp/repo,
 #      (setsid nohup bash /tmp/repo/docs/results/smollm2_study2/job.sh > /tmp/job.log 2>&1 &)
-#   then calls that sleep and print /tmp/out/progress.txt, and at the end tar /tmp/out and the sweeps' ppo/ and
-#   logs/ folders (without checkpoints) into $OUT.
+#   then calls that sleep and print /tmp/out/progress.txt, each ending with collect.sh (the results so far, without
+#   checkpoints, into $OUT), so a lease that ends between two calls loses at most one call's steps.
 export PYTHONPATH=/tmp/site:/tmp/repo SPA_SMOLLM2_GGUF=/tmp/smol.gguf PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1 NCCL_NVLS_ENABLE=0 PATH=/tmp/site/bin:$PATH
 O=/tmp/out; mkdir -p $O
