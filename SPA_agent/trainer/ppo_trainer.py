@@ -14,7 +14,8 @@ One step is a list of named, timed phases (`timing_s/<phase>`):
     adv            rewards (optionally minus β·KL) and GAE / bi-level GAE / critic-free (GRPO, RLOO, …) advantages
     update_critic  clipped value loss, one pass of mini-batches (GAE only)
     update_actor   clipped policy loss − entropy bonus (+ KL loss), after critic_warmup steps
-    testing        validation rollouts (`val-env/*`) every test_freq steps and at the last step
+    testing        validation rollouts (`val-env/*`; world-model accuracy in add_worldmodel prompts) every test_freq
+                   steps and at the last step
     save_checkpoint  every save_freq steps and at the last step
 """
 
@@ -31,6 +32,7 @@ from verl.trainer.ppo import core_algos
 from SPA_agent.runs import checkpoints
 from SPA_agent.runs.metrics_logger import MetricsLogger
 from SPA_agent.runs.progress import plain_line, progress_bar
+from SPA_agent.selfplay.worldmodel import worldmodel_accuracy
 from SPA_agent.trainer import algos
 from SPA_agent.trainer.backend import WorkerGroup
 from SPA_agent.trainer.diagnostics import Diagnostics
@@ -157,8 +159,16 @@ class PPOTrainer:
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
         """`validation_steps` validation rollouts (same seeds each time), env metrics and rollout diagnostics
-        averaged, as `val-env/*`."""
-        runs = [self._rollout_metrics(self.proxy.rollout(val=True)) for _ in range(self.cfg.trainer.validation_steps)]
+        averaged, as `val-env/*`; in add_worldmodel prompts also the world model's accuracy
+        (`val-env/<Tag>/worldmodel/*`: its observations and predictions against the true states), so a run cut
+        short still has it at its last validation."""
+        runs = []
+        for _ in range(self.cfg.trainer.validation_steps):
+            rollout = self.proxy.rollout(val=True)
+            metrics = self._rollout_metrics(rollout)
+            if self.proxy.ctx.mode == "add_worldmodel":
+                metrics.update(worldmodel_accuracy(rollout.states))
+            runs.append(metrics)
         return prefixed("val-env", mean_metrics(runs))
 
     def _rollout_metrics(self, rollout) -> dict[str, float]:

@@ -197,3 +197,40 @@ def test_diagnostics_plot_is_written(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     png = plot_diagnostics(tmp_path)
     assert png == tmp_path / "diagnostics.png" and png.read_bytes()[:4] == b"\x89PNG"
+
+
+class TruthfulWorldModelGenerator:
+    """Answers Left, with an observation and a prediction that are the env's true states before and after it (the
+    proxy hands it a copy of the env, as it does the solver)."""
+
+    needs_env = True
+
+    def generate(self, prompts: list[Prompt]) -> list[Generation]:
+        generations = []
+        for prompt in prompts:
+            before = prompt.env.render()
+            after, *_ = prompt.env.step("Left")
+            text = (f"<observation>{before}</observation> Push left.<prediction>{after}</prediction></think>"
+                    "<answer>Left</answer>")
+            generations.append(Generation(text, None, FINISH_STOP))
+        return generations
+
+
+@pytest.mark.parametrize("mode", ["add_worldmodel", "base"])
+def test_validation_logs_the_world_models_accuracy_in_add_worldmodel_prompts(ppo_config, tiny_tokenizer, mode):
+    """PPO's validation scores the model's states against the true ones in add_worldmodel prompts (a run cut short
+    keeps them at its last validation): a generator that writes the true states scores 1 on every turn, averaged
+    over both validation repeats; in base prompts there are no states to score."""
+    from SPA_agent.trainer.ppo_trainer import PPOTrainer
+
+    cfg = ppo_config("_2_sokoban", f"ctx_manager.mode={mode}", "trainer.validation_steps=2")
+    proxy = LLMAgentProxy(cfg, TruthfulWorldModelGenerator(), tiny_tokenizer)
+    metrics = PPOTrainer(cfg, backend=None, proxy=proxy, logger=None).validate()
+    worldmodel = {k: v for k, v in metrics.items() if "/worldmodel/" in k}
+    if mode == "base":
+        assert not worldmodel and "val-env/SimpleSokoban/success" in metrics
+        return
+    prefix = "val-env/SimpleSokoban/worldmodel/"
+    assert worldmodel == {prefix + key: 1.0 for key in (
+        "format_rate", "observation_exact", "observation_cell", "observation_coords", "prediction_exact",
+        "prediction_cell", "prediction_coords")}
