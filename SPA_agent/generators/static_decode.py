@@ -448,12 +448,13 @@ class StaticDecoder:
         self.release()  # free the old buffer before allocating the new one
         self._storage = KVStorage(rows, max_len)
 
-    def _prefill(self, state: _DecodeState, prompts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    def _prefill(self, state: _DecodeState, prompts: torch.Tensor, lengths: torch.Tensor,
+                 cache_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Run the right-padded prompts (B, P) causally in row chunks of at most PREFILL_TOKENS tokens, longest
-        prompts first, each chunk cut to its own longest prompt, filling the cache; (B, V) logits of the first new
-        token, in the rows' order. Chunks of similar lengths run little padding: a turn's histories differ by
-        their earlier answers (up to the token cap each), so a chunk of rows in batch order was mostly as wide as
-        the longest prompt of the batch."""
+        prompts first, each chunk cut to its own longest prompt, filling the cache (prompt i into cache row
+        `cache_rows[i]`, default i); (B, V) logits of the first new token, in the rows' order. Chunks of similar
+        lengths run little padding: a turn's histories differ by their earlier answers (up to the token cap each),
+        so a chunk of rows in batch order was mostly as wide as the longest prompt of the batch."""
         decoder, head = self.model.get_decoder(), self.model.get_output_embeddings()
         host_lengths = lengths.tolist()
         order = sorted(range(len(host_lengths)), key=lambda row: -host_lengths[row])
@@ -462,7 +463,7 @@ class StaticDecoder:
             while start < len(order):
                 width = host_lengths[order[start]]
                 rows = torch.tensor(order[start : start + max(1, PREFILL_TOKENS // width)], device=self.device)
-                state.cache.prefill_rows = rows
+                state.cache.prefill_rows = rows if cache_rows is None else cache_rows[rows]
                 input_ids = prompts[rows, :width]
                 self.stats.prefill_tokens += input_ids.numel()
                 hidden = decoder(
