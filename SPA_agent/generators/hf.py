@@ -17,7 +17,7 @@ greedy at temperature 0):
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -257,6 +257,40 @@ class HFGenerator:
             self._static.release()  # give the KV buffers back (the PPO actor trains on the same device)
         return results
 
+    @property
+    def can_serve(self) -> bool:
+        """Whether `serve` runs (pipelined turns need the static decoder)."""
+        return self.decoder == "static"
+
+    def serve(self, prompts: list[Prompt], respond: Callable[[int, Generation], Prompt | None]) -> None:
+        """Pipelined turns (turn_pipeline.py): decode each prompt's turn in one batch, hand each ended turn to
+        `respond(row, generation)` at once and continue that row with the prompt it returns (None: the row is
+        done), while the other rows decode. Sampling as `generate` (one seed per call: per rollout here)."""
+        if not self.can_serve:
+            raise ValueError(f"pipelined turns need generator.decoder=static, got {self.decoder!r}")
+        generator = torch.Generator(self.device).manual_seed(call_seed(self.sampling.seed, self._calls))
+        self._calls += 1
+
+        def respond_ids(row: int, sampled: list[int]) -> list[int] | None:
+            prompt = respond(row, self._to_generation(sampled))
+            return None if prompt is None else prompt.prompt_ids
+
+        decoder = self._static_decoder()
+        with eval_mode(self.model), self._kernels():
+            decoder.serve([p.prompt_ids for p in prompts], self.sampling, generator, respond_ids)
+        if not self.keep_decode_graphs:
+            decoder.release()
+
+    def _static_decoder(self):
+        """The static decoder of this generator (built on first use), which also serves pipelined turns."""
+        if self._static is None:
+            from SPA_agent.generators.turn_pipeline import PipelinedDecoder
+
+            self._static = PipelinedDecoder(self.model, self.stop_ids, self.pad_id, use_cuda_graphs=self.cuda_graphs,
+                                            compile_step=self.compile_decode_step, attention=self.decode_attention,
+                                            keep_graphs=self.keep_decode_graphs)
+        return self._static
+
     def _kernels(self) -> contextlib.AbstractContextManager:
         """Liger's rotary embedding while this generator decodes (its norms and MLPs are patched for good)."""
         if not self.liger_kernels:
@@ -270,13 +304,7 @@ class HFGenerator:
         input_ids, attention_mask = left_pad(batch, self.pad_id, self.device)
         if self.decoder == "generate":
             return self._with_generate(input_ids, attention_mask, generator)
-        if self._static is None:
-            from SPA_agent.generators.static_decode import StaticDecoder
-
-            self._static = StaticDecoder(self.model, self.stop_ids, self.pad_id, use_cuda_graphs=self.cuda_graphs,
-                                         compile_step=self.compile_decode_step, attention=self.decode_attention,
-                                         keep_graphs=self.keep_decode_graphs)
-        return self._static.generate(input_ids, attention_mask, self.sampling, generator).tolist()
+        return self._static_decoder().generate(input_ids, attention_mask, self.sampling, generator).tolist()
 
     def _with_generate(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, generator: torch.Generator

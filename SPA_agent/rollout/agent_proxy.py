@@ -3,6 +3,11 @@
 reset → for each turn: build prompts → generate → parse → step the envs → stop when all are done; then
 the training batch over all envs. The generator is passed in (any object with `generate(prompts)`), so the
 same loop serves data generation, PPO and evaluation.
+
+With agent_proxy.pipeline_turns and a generator that can (`can_serve`: hf with the static decoder), the turns are
+pipelined instead: the generator's `serve` hands each env's ended turn back at once, the env steps and its next
+prompt starts decoding while the other envs' turns go on (generators/turn_pipeline.py). Each env sees the same
+prompts, parsing and steps as turn by turn.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from dataclasses import dataclass
 
 from verl import DataProto
 
-from SPA_agent.generators.base import FINISH_STOP, Generator, Prompt
+from SPA_agent.generators.base import FINISH_STOP, Generation, Generator, Prompt
 from SPA_agent.rollout.ctx_manager import ContextManager
 from SPA_agent.rollout.es_manager import EnvStateManager, check_env_groups
 from SPA_agent.rollout.turns import EnvCache, EnvRecord
@@ -42,6 +47,10 @@ class LLMAgentProxy:
         if self.max_turn < 1:
             raise ValueError(f"agent_proxy.max_turn must be >= 1, got {self.max_turn}")
         self.progress = progress
+        pipeline = config["agent_proxy"].get("pipeline_turns", False)
+        if pipeline not in (True, False):
+            raise ValueError(f"agent_proxy.pipeline_turns must be true or false, got {pipeline!r}")
+        self.pipeline_turns = pipeline and bool(getattr(generator, "can_serve", False))
         self._managers: dict[str, EnvStateManager] = {}
 
     def es_manager(self, val: bool) -> EnvStateManager:
@@ -54,24 +63,50 @@ class LLMAgentProxy:
     def rollout(self, val: bool = False, seed: int | None = None) -> Rollout:
         es = self.es_manager(val)
         active = es.reset(seed=seed)
-        turns = progress_bar(range(self.max_turn), desc="val rollout turns" if val else "rollout turns", leave=False,
-                             disable=not self.progress)
-        for _ in turns:
-            prompts = self._prompts(es, active)
-            generations = self.generator.generate(prompts)
-            env_inputs = self.ctx.get_env_inputs(
-                active,
-                texts=[g.text for g in generations],
-                ids=[g.token_ids for g in generations],
-                finished=[g.finish_reason == FINISH_STOP for g in generations],
-            )
-            active = es.step(env_inputs)
-            if not active:
-                break
+        if self.pipeline_turns:
+            self._pipelined_turns(es, active, val)
+        else:
+            self._turn_by_turn(es, active, val)
         states = es.get_rollout_states()
         tensors, non_tensors, metrics = self.ctx.formulate_rollouts(states)
         batch = DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info={"metrics": metrics})
         return Rollout(batch=batch, states=states)
+
+    def _turn_by_turn(self, es: EnvStateManager, active: list[EnvCache], val: bool) -> None:
+        turns = progress_bar(range(self.max_turn), desc="val rollout turns" if val else "rollout turns", leave=False,
+                             disable=not self.progress)
+        for _ in turns:
+            generations = self.generator.generate(self._prompts(es, active))
+            active = es.step(self._env_inputs(active, generations))
+            if not active:
+                break
+
+    def _pipelined_turns(self, es: EnvStateManager, active: list[EnvCache], val: bool) -> None:
+        """Every env's turns in one `serve` call: each ended turn steps its env, whose next prompt (or None after
+        its last turn) goes back to the generator."""
+        turns_taken = [0] * len(active)
+        bar = progress_bar(total=len(active), desc="val rollout envs" if val else "rollout envs", leave=False,
+                           disable=not self.progress)
+
+        def respond(row: int, generation: Generation) -> Prompt | None:
+            cache = active[row]
+            es.step(self._env_inputs([cache], [generation]))
+            turns_taken[row] += 1
+            if es.done(cache.env_id) or turns_taken[row] == self.max_turn:
+                bar.update()
+                return None
+            return self._prompts(es, [cache])[0]
+
+        with bar:
+            self.generator.serve(self._prompts(es, active), respond)
+
+    def _env_inputs(self, caches: list[EnvCache], generations: list[Generation]) -> list:
+        return self.ctx.get_env_inputs(
+            caches,
+            texts=[g.text for g in generations],
+            ids=[g.token_ids for g in generations],
+            finished=[g.finish_reason == FINISH_STOP for g in generations],
+        )
 
     def _prompts(self, es: EnvStateManager, caches: list[EnvCache]) -> list[Prompt]:
         """One prompt per active env; a copy of the env goes with it only to generators that declare

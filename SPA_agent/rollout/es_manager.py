@@ -149,6 +149,10 @@ class EnvStateManager:
         """A copy of env `env_id` in its current state (for expert generators: stepping it changes nothing here)."""
         return copy.deepcopy(self.entries[env_id].env)
 
+    def done(self, env_id: int) -> bool:
+        """Whether env `env_id`'s episode has ended."""
+        return self.entries[env_id].terminated
+
     def step(self, env_inputs: list[EnvInput]) -> list[EnvCache]:
         """Execute each env's parsed actions (spec §5.4); returns the cache entries still active."""
         for env_input in env_inputs:

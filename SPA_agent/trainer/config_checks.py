@@ -46,6 +46,7 @@ def check_config(cfg: DictConfig) -> None:
     _check_types(cfg)
     check_choice(cfg, "ctx_manager.mode", PROMPT_MODES)
     check_choice(cfg, "actor_rollout_ref.model.use_liger", (True, False, "auto"))
+    check_choice(cfg, "agent_proxy.pipeline_turns", (True, False))
     if OmegaConf.select(cfg, "generator.name") == "hf":
         check_choice(cfg, "generator.decode_attention", DECODE_ATTENTION)
         check_choice(cfg, "generator.keep_decode_graphs", (True, False))

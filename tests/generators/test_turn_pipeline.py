@@ -85,3 +85,47 @@ def test_an_empty_prompt_is_refused(varied_model, tiny_tokenizer):
     decoder = PipelinedDecoder(varied_model, stop_ids, pad_token_id(tiny_tokenizer, stop_ids))
     with pytest.raises(ValueError, match="no token ids"):
         decoder.serve([[1, 2], []], GREEDY, torch.Generator(), lambda row, ids: None)
+
+
+@pytest.mark.slow
+def test_a_pipelined_rollout_is_the_turn_by_turn_rollout(varied_model, tiny_tokenizer, tiny_config):
+    """LLMAgentProxy with agent_proxy.pipeline_turns: greedy, the same Sokoban rollout (SPA's add_worldmodel
+    prompts) as turn by turn: every turn's response, every env step, the training batch's tensors and the
+    metrics; among the turns, some that stopped and some cut at the cap."""
+    from SPA_agent.generators.hf import HFGenerator
+    from SPA_agent.rollout.agent_proxy import LLMAgentProxy
+
+    rollouts = []
+    for pipeline in (False, True):
+        cfg = tiny_config("_2_sokoban", "ctx_manager.mode=add_worldmodel", "agent_proxy.max_turn=2",
+                          f"agent_proxy.pipeline_turns={pipeline}")
+        generator = HFGenerator(varied_model, tiny_tokenizer, GREEDY, batch_size=None, decoder="static",
+                                progress=False, decode_attention="flash")
+        proxy = LLMAgentProxy(cfg, generator, tiny_tokenizer)
+        assert proxy.pipeline_turns == pipeline
+        with torch.inference_mode():
+            rollouts.append(proxy.rollout(val=False))
+    turn_by_turn_rollout, pipelined_rollout = rollouts
+    assert [s.history for s in pipelined_rollout.states] == [s.history for s in turn_by_turn_rollout.states]
+    assert pipelined_rollout.batch.batch.keys() == turn_by_turn_rollout.batch.batch.keys()
+    for key, tensor in turn_by_turn_rollout.batch.batch.items():
+        assert torch.equal(pipelined_rollout.batch.batch[key], tensor), key
+    assert pipelined_rollout.metrics == turn_by_turn_rollout.metrics
+    stop_ids = set(end_of_turn_ids(varied_model, tiny_tokenizer))
+    stopped = [entry["response_ids"][-1] in stop_ids for s in pipelined_rollout.states for entry in s.history
+               if "response_ids" in entry]
+    assert len(stopped) == 2 * len(pipelined_rollout.states) and any(stopped) and not all(stopped)
+
+
+def test_pipelining_falls_back_to_turn_by_turn_where_the_generator_cannot(tiny_config, tiny_tokenizer, tiny_dir):
+    """agent_proxy.pipeline_turns with a generator without `serve` (random; hf with transformers' generate) runs
+    turn by turn; a value other than true/false is refused."""
+    from SPA_agent.generators import build_generator
+    from SPA_agent.rollout.agent_proxy import LLMAgentProxy
+
+    cfg = tiny_config("_2_sokoban", "generator=random", "agent_proxy.pipeline_turns=true")
+    assert not LLMAgentProxy(cfg, build_generator(cfg.generator, str(tiny_dir), tiny_tokenizer),
+                             tiny_tokenizer).pipeline_turns
+    cfg = tiny_config("_2_sokoban", "agent_proxy.pipeline_turns=yes")
+    with pytest.raises(ValueError, match="pipeline_turns must be true or false"):
+        LLMAgentProxy(cfg, build_generator(cfg.generator, str(tiny_dir), tiny_tokenizer), tiny_tokenizer)

@@ -173,6 +173,15 @@ class LocalBackend:
         with torch.no_grad():
             return self.generator.generate(prompts)
 
+    @property
+    def can_serve(self) -> bool:
+        """Whether the generator runs pipelined turns (`serve`; LLMAgentProxy, agent_proxy.pipeline_turns)."""
+        return bool(getattr(self.generator, "can_serve", False))
+
+    def serve(self, prompts: list, respond) -> None:
+        with torch.no_grad():
+            self.generator.serve(prompts, respond)
+
     @torch.no_grad()
     def _refresh_generator_weights(self) -> None:
         """Copies of the weights held for generation (bf16 rollout model, vLLM engine) get the actor's (merged
