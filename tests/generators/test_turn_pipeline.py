@@ -42,7 +42,7 @@ def turn_by_turn(model, tokenizer, params: SamplingParams) -> tuple[ToyEnvs, int
     running = list(range(len(TURNS)))
     generator = torch.Generator().manual_seed(0)
     while running:
-        input_ids, mask = left_pad([envs.prompts[r] for r in running], pad_id, torch.device("cpu"))
+        input_ids, mask = left_pad([envs.prompts[r] for r in running], pad_id, decoder.device)
         sampled = decoder.generate(input_ids, mask, params, generator).tolist()
         running = [r for r, ids in zip(running, sampled) if envs.respond(r, ids) is not None]
     return envs, decoder.stats.decode_steps
@@ -129,3 +129,28 @@ def test_pipelining_falls_back_to_turn_by_turn_where_the_generator_cannot(tiny_c
     cfg = tiny_config("_2_sokoban", "agent_proxy.pipeline_turns=yes")
     with pytest.raises(ValueError, match="pipeline_turns must be true or false"):
         LLMAgentProxy(cfg, build_generator(cfg.generator, str(tiny_dir), tiny_tokenizer), tiny_tokenizer)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+def test_pipelined_turns_on_a_gpu(varied_model, tiny_tokenizer):
+    """On a GPU, every decode step a replay of one captured CUDA graph (captured again when the buffer grows):
+    in float32 (masked SDPA decode) the turn-by-turn loop's greedy tokens exactly; in float16 with the split-KV and
+    flash kernels every row's turns run to their end (float16 near-ties make exact equality with another batch
+    composition unreliable)."""
+    import copy
+
+    model = copy.deepcopy(varied_model).to("cuda", torch.float32)
+    with torch.inference_mode():
+        reference, reference_steps = turn_by_turn(model, tiny_tokenizer, GREEDY)
+        envs, decoder = pipelined(model, tiny_tokenizer, GREEDY)
+    assert envs.turns == reference.turns and decoder.stats.decode_steps < reference_steps
+    assert decoder.stats.states_built >= 2 and decoder.stats.capture_s > 0
+    half = copy.deepcopy(varied_model).to("cuda", torch.float16)
+    stop_ids = end_of_turn_ids(half, tiny_tokenizer)
+    for attention in ("split_kv", "flash"):
+        envs = ToyEnvs(tiny_tokenizer, stop_ids)
+        decoder = PipelinedDecoder(half, stop_ids, pad_token_id(tiny_tokenizer, stop_ids), attention=attention)
+        with torch.inference_mode():
+            decoder.serve(list(envs.prompts), GREEDY, torch.Generator("cuda").manual_seed(0), envs.respond)
+        assert [len(turns) for turns in envs.turns] == TURNS
+        assert all(0 < len(ids) <= GREEDY.max_new_tokens for turns in envs.turns for ids, _ in turns)
