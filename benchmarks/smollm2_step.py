@@ -55,6 +55,24 @@ class TimedGenerator:
         self.sampled += sum(len(g.token_ids) for g in generations)
         return generations
 
+    @property
+    def can_serve(self) -> bool:
+        return bool(getattr(self.inner, "can_serve", False))
+
+    def serve(self, prompts, respond):
+        """Pipelined turns (agent_proxy.pipeline_turns): one call a rollout, every turn's generation counted."""
+        def counted(row, generation):
+            self.sequences += 1
+            self.sampled += len(generation.token_ids)
+            return respond(row, generation)
+
+        sync()
+        start = time.perf_counter()
+        self.inner.serve(prompts, counted)
+        sync()
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
+
     def take(self) -> dict:
         """Counters since the last take, with the static decoder's."""
         decoder = getattr(self.inner.generator, "_static", None)

@@ -50,8 +50,13 @@ class LLMAgentProxy:
         pipeline = config["agent_proxy"].get("pipeline_turns", False)
         if pipeline not in (True, False):
             raise ValueError(f"agent_proxy.pipeline_turns must be true or false, got {pipeline!r}")
-        self.pipeline_turns = pipeline and bool(getattr(generator, "can_serve", False))
+        self._pipeline_requested = pipeline
         self._managers: dict[str, EnvStateManager] = {}
+
+    @property
+    def pipeline_turns(self) -> bool:
+        """Whether rollouts pipeline their turns: asked for (agent_proxy.pipeline_turns) and the generator can."""
+        return self._pipeline_requested and bool(getattr(self.generator, "can_serve", False))
 
     def es_manager(self, val: bool) -> EnvStateManager:
         """The train or val env-state manager, built on first use (val holds 1,024 envs by default)."""
