@@ -1,5 +1,6 @@
 """The static-cache decoder (issues 9, 17) against transformers' generate on the tiny model, on CPU (no CUDA
-graphs); its flash-attention decode path against the masked one on a GPU."""
+graphs); its flash-attention decode path against the masked one on a GPU. Kept decode graphs
+(generator.keep_decode_graphs): test_kept_decode_graphs.py."""
 
 from __future__ import annotations
 
@@ -135,7 +136,7 @@ def test_decode_attention_reads_each_rows_prefix_of_the_cache():
     torch.testing.assert_close(again, output)
 
 
-def _varlen_attention(query, key, value, cu_q, cu_k, kv_lengths, scale):
+def varlen_attention(query, key, value, cu_q, cu_k, kv_lengths, scale):
     """Flash attention's variable-length contract, unmasked within a row: the queries at positions
     [cu_q[b], cu_q[b+1]) read the keys at [cu_k[b], cu_k[b] + kv_lengths[b]); (positions, H_kv, D) in and out."""
     output = torch.empty_like(query)
@@ -156,7 +157,7 @@ def test_grouped_query_positions_give_every_query_heads_attention():
     batch, length, kv_heads, head_dim = key.shape
     grouped = grouped_queries(query, kv_heads)
     assert grouped.shape == (batch * 3, kv_heads, head_dim)
-    output = _varlen_attention(grouped, key.reshape(-1, kv_heads, head_dim), value.reshape(-1, kv_heads, head_dim),
+    output = varlen_attention(grouped, key.reshape(-1, kv_heads, head_dim), value.reshape(-1, kv_heads, head_dim),
                                cu_q, cu_k, lengths, 0.5)
     torch.testing.assert_close(ungrouped_output(output, batch), _reference_decode(query, key, value, kv_lengths))
 
@@ -317,111 +318,3 @@ def test_finished_rows_read_one_key_and_running_rows_are_unchanged(
                     for g, p in zip(generations, prompts)]
         assert sorted(lengths) == sorted(expected)  # (the decode batch orders rows by prompt length)
     assert any(g.finish_reason == "stop" and len(g.token_ids) < 19 for g in generations)  # some rows finished early
-
-
-#: consecutive calls of generator.keep_decode_graphs' tests: 20, 4, 3, 20 and 3 prompts (batch buckets 32, 16, 16,
-#: 32, 16); the first has the most rows and the longest prompt, so its KV buffer holds every later call
-KEPT_CALLS = [[*range(1, 20), 60], REPEATS, [60, 5, 30], list(range(1, 21)), [40, 2, 9]]
-
-
-def fresh_weights(model, seed: int):
-    """Another random initialisation of `model`'s architecture (what `lm.copy_weights` brings a rollout model)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(model.config).to(next(model.parameters()).dtype)
-
-
-def copy_weights(target, source) -> None:
-    with torch.no_grad():
-        for to, values in zip(target.parameters(), source.parameters()):
-            to.copy_(values)
-
-
-def test_kept_decode_states_sample_what_the_current_decoder_samples(varied_model, tiny_tokenizer,
-                                                                     prompts_of_lengths):
-    """generator.keep_decode_graphs: consecutive calls of new batch sizes and prompt lengths sample the tokens of
-    the decoder that builds a state per call (padding rows never shift the random draws); one state per batch
-    bucket over one KV buffer, until a longer call grows the buffer (keys at least doubled) and drops them."""
-    from SPA_agent.generators.static_decode import BATCH_BUCKET, CAPACITY_GROWTH
-
-    sampling = SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=16, seed=3)
-    current = hf(varied_model, tiny_tokenizer, sampling, "static", batch_size=None)
-    kept = hf(varied_model, tiny_tokenizer, sampling, "static", batch_size=None, keep_decode_graphs=True)
-    for lengths in KEPT_CALLS:
-        prompts = prompts_of_lengths(lengths)
-        assert ids(kept.generate(prompts)) == ids(current.generate(prompts))
-    decoder = kept._static
-    assert current._static.stats.states_built == len(KEPT_CALLS)  # a state (on GPU a graph) per call
-    assert decoder.stats.states_built == 2 and sorted(decoder._states) == [BATCH_BUCKET, 2 * BATCH_BUCKET]
-    storage = decoder._storage
-    assert storage.rows == 2 * BATCH_BUCKET and all(state.cache.storage is storage for state in decoder._states.values())
-    prompts = prompts_of_lengths([150, 3])
-    assert ids(kept.generate(prompts)) == ids(current.generate(prompts))
-    assert decoder._storage.max_len >= CAPACITY_GROWTH * storage.max_len and decoder._storage.rows == storage.rows
-    assert decoder.stats.states_built == 3 and list(decoder._states) == [BATCH_BUCKET]
-
-
-def test_kept_decode_states_follow_weights_updated_in_place(varied_model, tiny_tokenizer, prompts_of_lengths):
-    """Weights copied in place (a PPO step's `copy_weights`) keep the states, whose CUDA graphs read them where they
-    are; a weight replaced by a new tensor drops them. Either way the samples are the current decoder's."""
-    model = copy.deepcopy(varied_model)
-    sampling = SamplingParams(max_new_tokens=12, seed=5)
-    kept = hf(model, tiny_tokenizer, sampling, "static", batch_size=None, keep_decode_graphs=True)
-    current = hf(model, tiny_tokenizer, sampling, "static", batch_size=None)
-    prompts = prompts_of_lengths([1, 12, 3])
-    before = ids(kept.generate(prompts))
-    assert before == ids(current.generate(prompts))
-    copy_weights(model, fresh_weights(model, seed=1))
-    after = ids(kept.generate(prompts))
-    assert after != before and after == ids(current.generate(prompts))
-    assert kept._static.stats.states_built == 1
-    projection = model.model.layers[0].mlp.down_proj
-    projection.weight = torch.nn.Parameter(projection.weight.detach().clone())
-    assert ids(kept.generate(prompts)) == ids(current.generate(prompts))
-    assert kept._static.stats.states_built == 2
-
-
-def test_keep_decode_graphs_setting_is_read_and_checked(varied_model, tiny_tokenizer):
-    from SPA_agent.config import compose
-    from SPA_agent.trainer.config_checks import check_config
-
-    cfg = {"decoder": "static", "progress": False, "keep_decode_graphs": True}
-    assert HFGenerator.from_config(cfg, "tiny", tiny_tokenizer, model=varied_model).keep_decode_graphs
-    assert not hf(varied_model, tiny_tokenizer, SamplingParams(), "static").keep_decode_graphs  # off by default
-    check_config(compose("_2_sokoban", ["model=tiny", "generator.keep_decode_graphs=true"]))
-    with pytest.raises(ValueError, match=r"generator.keep_decode_graphs must be one of \(True, False\), got 'yes'"):
-        check_config(compose("_2_sokoban", ["model=tiny", "generator.keep_decode_graphs=yes"]))
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
-@pytest.mark.parametrize("dtype, attention", [(torch.float16, "flash"), (torch.float16, "split_kv"),
-                                              (torch.float32, "flash")], ids=["flash", "split_kv", "masked"])
-def test_kept_cuda_graphs_decode_as_generate_on_gpu(varied_model, tiny_tokenizer, prompts_of_lengths, dtype,
-                                                    attention):
-    """generator.keep_decode_graphs on a GPU: consecutive calls of new batch sizes and lengths, then one after the
-    weights were copied in place, replay CUDA graphs kept from the first calls (one per batch bucket, over one KV
-    buffer) and give generate's greedy tokens: in float16 with flash attention's kernel or the Triton split-KV
-    kernel (the GPU default) reading each row at the buffer's row stride, in float32 with the masked SDPA decode."""
-    from SPA_agent.generators import static_decode
-
-    if dtype == torch.float16 and not static_decode._flash_capable(torch.device("cuda")):
-        pytest.skip("flash attention needs an Ampere or newer GPU")
-    model = copy.deepcopy(varied_model).to("cuda", dtype)
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=24)
-    kept = hf(model, tiny_tokenizer, greedy, "static", batch_size=None, keep_decode_graphs=True,
-              decode_attention=attention)
-    plain = hf(model, tiny_tokenizer, greedy, "generate", batch_size=None)
-    for lengths in KEPT_CALLS:
-        prompts = prompts_of_lengths(lengths)
-        static = kept.generate(prompts)
-        assert [(g.token_ids, g.finish_reason) for g in static] == [
-            (g.token_ids, g.finish_reason) for g in plain.generate(prompts)]
-    copy_weights(model, fresh_weights(varied_model, seed=1).to("cuda", dtype))
-    prompts = prompts_of_lengths(KEPT_CALLS[1])
-    assert [(g.token_ids, g.finish_reason) for g in kept.generate(prompts)] == [
-        (g.token_ids, g.finish_reason) for g in plain.generate(prompts)]
-    decoder = kept._static
-    assert decoder.stats.states_built == 2 and all(state.graph is not None for state in decoder._states.values())
-    assert decoder.last_capture_s == 0.0  # the last call replayed a kept graph
