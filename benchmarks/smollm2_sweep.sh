@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 26, a PPO settings sweep for SmolLM2-135M-Instruct on SimpleSokoban on one GPU, after
-# benchmarks/smollm2_sokoban.sh showed no learning at lr 1e-5 in 30 steps: the same random-action data and SFT,
-# then one PPO run per line of SETTINGS ("<name> <hydra overrides...>"), side by side, all with the prompts of MODE
-# (add_worldmodel, the SFT's own, by default; base is the original's PPO mode).
+# benchmarks/smollm2_sokoban.sh showed no learning at lr 1e-5 in 30 steps: the same random-action data and SFT (or
+# another start, START below), then one PPO run per line of SETTINGS ("<name> <hydra overrides...>"), side by side,
+# all with the prompts of MODE (add_worldmodel, the SFT's own, by default; base is the original's PPO mode).
 #
 #   OUT=smollm2_sweep STEPS=60 bash benchmarks/smollm2_sweep.sh
 #   MODE=base STEPS=300 TEST_FREQ=25 SETTINGS="$(cat settings.txt)" bash benchmarks/smollm2_sweep.sh   # issue 43's plan
@@ -13,9 +13,16 @@
 # (NGPUS=1), never verl over all of them. The SFT before them runs on the first SFT_GPUS of those GPUs (default 1;
 # torchrun, one rank a GPU): its steps are short, so a multi-GPU host gets its arms started sooner.
 # GENERATOR: stage 1's generator, random (the random-action data, default) or solver (issue 43's ceiling data).
-# A setting may choose its own prompts with ctx_manager.mode=... among its overrides (they come after MODE's).
+# START: what the runs start from: wm (default) the SFT on the self-play data; nowm the SFT on the same rows in the
+# base format, without <observation>/<prediction> (SPA_agent.selfplay.without_worldmodel: the format-only control);
+# base the untouched model, no data and no SFT (Vanilla RL).
+# A setting may choose its own prompts with ctx_manager.mode=... among its overrides (they come after MODE's), and
+# anything else a PPO override can: experiment=vanilla_rl (the plain symbol grid), trainer.seed=1 generator.seed=1
+# (a run's seed: the critic's initialisation and the rollouts' sampling; the puzzles stay seed.train's).
+# Every setting's PPO config is checked before the first stage runs (SPA_agent/pipeline_check.py).
 # Checkpoints every SAVE_FREQ steps (default TEST_FREQ; 0: only at the last step, for a host that is given back
-# before a run could resume from them).
+# before a run could resume from them). SFT_OVERRIDES: Hydra overrides of the SFT after the preset's defaults (as
+# run_spa.sh's). MODEL: smollm2-135m (default), or tiny for a CPU check of the plumbing.
 set -euo pipefail
 OUT="${OUT:-smollm2_sweep}"; [[ "$OUT" = /* ]] || OUT="$PWD/$OUT"  # relative to the caller's directory
 cd "$(dirname "$0")/.."
@@ -30,39 +37,64 @@ SFT_GPUS="${SFT_GPUS:-1}"
 case "$SFT_GPUS" in ""|0|*[!0-9]*) echo "error: SFT_GPUS takes a number of GPUs (at least 1), got '$SFT_GPUS'" >&2; exit 2 ;; esac
 GENERATOR="${GENERATOR:-random}"
 case "$GENERATOR" in random|solver) ;; *) echo "error: GENERATOR must be random or solver, got '$GENERATOR'" >&2; exit 2 ;; esac
+START="${START:-wm}"
+case "$START" in wm|nowm|base) ;; *) echo "error: START must be wm, nowm or base, got '$START'" >&2; exit 2 ;; esac
 every_gpu=""; [ "$GPUS" -eq 0 ] || every_gpu="$(seq -s ' ' 0 $(( GPUS - 1 )))"
 read -ra GPU_LIST <<< "${GPU_IDS:-$every_gpu}"
 for id in "${GPU_LIST[@]}"; do
     case "$id" in *[!0-9]*) echo "error: GPU_IDS takes GPU numbers separated by spaces, got '$GPU_IDS'" >&2; exit 2 ;; esac
 done
 GPUS=${#GPU_LIST[@]}
-export MODEL=smollm2-135m
-mkdir -p "$OUT/logs"
+export MODEL="${MODEL:-smollm2-135m}"
+. scripts/common.sh
+model_settings "$MODEL"
 PPO=(ctx_manager.mode="$MODE" trainer.total_training_steps="$STEPS" trainer.test_freq="$TEST_FREQ"
      trainer.save_freq="${SAVE_FREQ:-$TEST_FREQ}" es_manager.val.group_size="$VAL_SAMPLES")
-
-python -m SPA_agent.smollm2 > "$OUT/logs/convert.log" 2>&1
-# Stages 1 and 2 as run_spa.sh runs them for MODEL=smollm2-135m.
-DATA_STAGE="$(python -m SPA_agent.stages data --config=_2_sokoban --model=smollm2-135m --generator="$GENERATOR" \
+DATA="$OUT/data"; [ "$START" = nowm ] && DATA="$OUT/data_nowm"  # what the SFT trains on
+# Stages 1 and 2 as run_spa.sh runs them: the preset's SFT defaults (for smollm2-135m 2 epochs, packed attention).
+DATA_STAGE="$(python -m SPA_agent.stages data --config=_2_sokoban --model="$MODEL_PRESET" --generator="$GENERATOR" \
     --output-dir="$OUT/data")" || exit 2
 mapfile -t DATA_STAGE <<< "$DATA_STAGE"
-python "${DATA_STAGE[@]}" > "$OUT/logs/data.log" 2>&1
-# the preset's SFT defaults, as run_spa.sh passes them (2 epochs, packed attention: nothing to compile)
-. scripts/common.sh
-model_settings smollm2-135m
-sft_placement=()  # the first SFT_GPUS of the sweep's GPUs
-[ "$GPUS" -gt 0 ] && sft_placement=(CUDA_VISIBLE_DEVICES="$(IFS=,; echo "${GPU_LIST[*]:0:$SFT_GPUS}")")
-# shellcheck disable=SC2086
-env "${sft_placement[@]}" bash sft/finetune_ft.sh _2_sokoban "$SFT_GPUS" "$OUT/sft" "$OUT/data" smollm2-135m \
-    $MODEL_SFT_DEFAULTS > "$OUT/logs/sft.log" 2>&1
-SFT="$(ls -d "$OUT"/sft/global_step_* | sort -V | tail -n 1)"
+# shellcheck disable=SC2206
+SFT_STAGE=(_2_sokoban "$SFT_GPUS" "$OUT/sft" "$DATA" "$MODEL" $MODEL_SFT_DEFAULTS ${SFT_OVERRIDES:-})
+if [ "$START" = base ]; then
+    START_MODEL="$(python -c "from SPA_agent.config import compose
+print(compose('_2_sokoban', ['model=$MODEL_PRESET']).model_path)")"  # the preset's model, as run_baseline.sh's
+else
+    START_MODEL="$OUT/sft/global_step_N"  # stands in for the checkpoint stage 2 will make, in the check below
+fi
+
+# Every stage's settings, each setting's PPO overrides included, checked before the first stage runs (the runs as
+# they will run: one GPU each).
+STAGES=()
+[ "$START" = base ] || STAGES+=("$(printf '%s\n' "${DATA_STAGE[@]}")"
+                               "$(SPA_PRINT_STAGE=1 bash sft/finetune_ft.sh "${SFT_STAGE[@]}")")
+one_gpu=(); [ "$GPUS" -gt 0 ] && one_gpu=(NGPUS=1)
+while read -r name overrides; do
+    # shellcheck disable=SC2086
+    STAGES+=("$(env "${one_gpu[@]}" SPA_PRINT_STAGE=1 BASE_DIR="$OUT/ppo" bash train_ppo_sfted.sh _2_sokoban \
+        "$START_MODEL" "$name" "${PPO[@]}" $overrides)")
+done <<< "$SETTINGS"
+check_stages "${STAGES[@]}"
+
+mkdir -p "$OUT/logs"
+[ "$MODEL" = smollm2-135m ] && python -m SPA_agent.smollm2 > "$OUT/logs/convert.log" 2>&1
+if [ "$START" != base ]; then
+    python "${DATA_STAGE[@]}" > "$OUT/logs/data.log" 2>&1
+    [ "$START" = nowm ] && python -m SPA_agent.selfplay.without_worldmodel --config-name _2_sokoban "$OUT/data" \
+        "$DATA" model="$MODEL_PRESET" >> "$OUT/logs/data.log" 2>&1
+    sft_placement=()  # the first SFT_GPUS of the sweep's GPUs
+    [ "$GPUS" -gt 0 ] && sft_placement=(CUDA_VISIBLE_DEVICES="$(IFS=,; echo "${GPU_LIST[*]:0:$SFT_GPUS}")")
+    env "${sft_placement[@]}" bash sft/finetune_ft.sh "${SFT_STAGE[@]}" > "$OUT/logs/sft.log" 2>&1
+    START_MODEL="$(latest_checkpoint "$OUT/sft")"
+fi
 run=0
 while read -r name overrides; do
     placement=()  # one GPU a run, round-robin; none on a CPU host
     [ "$GPUS" -gt 0 ] && placement=(CUDA_VISIBLE_DEVICES="${GPU_LIST[$(( run % GPUS ))]}" NGPUS=1)
     echo "$name: ${placement[*]:-CPU}" >> "$OUT/logs/placement.txt"
     # shellcheck disable=SC2086
-    env "${placement[@]}" BASE_DIR="$OUT/ppo" bash train_ppo_sfted.sh _2_sokoban "$SFT" "$name" "${PPO[@]}" \
+    env "${placement[@]}" BASE_DIR="$OUT/ppo" bash train_ppo_sfted.sh _2_sokoban "$START_MODEL" "$name" "${PPO[@]}" \
         $overrides > "$OUT/logs/$name.log" 2>&1 &
     run=$(( run + 1 ))
 done <<< "$SETTINGS"

@@ -1,13 +1,14 @@
 """Learning curves of a PPO settings study side by side (benchmarks/smollm2_sweep.sh, issue 43).
 
     python benchmarks/study_curves.py <sweep_out>/ppo/_2_sokoban --out curves.png --val-episodes 512
+    python benchmarks/study_curves.py table2_wm/ppo/_2_sokoban table2_nowm/ppo/_2_sokoban ...   # several sweeps
 
-Reads `<run>/metrics.jsonl` of every run directory there (one arm each) and draws, per PPO step and one line per
-arm: the validation success with its 95% Wilson interval over --val-episodes episodes (128 puzzles × the
-validation samples), the training success, the share of well-formed training turns, the entropy of the answer
-span, the KL to the reference model, the critic's explained variance and the step's seconds (panels no arm logs
-are left out). Prints the validation success per arm and step as a markdown table, with the intervals, and each
-arm's last step.
+Reads `<run>/metrics.jsonl` of every run directory there (one arm each; with several folders, the arms of all of
+them, whose names must differ) and draws, per PPO step and one line per arm: the validation success with its 95%
+Wilson interval over --val-episodes episodes (128 puzzles × the validation samples), the training success, the share
+of well-formed training turns, the entropy of the answer span, the KL to the reference model, the critic's explained
+variance and the step's seconds (panels no arm logs are left out). Prints the validation success per arm and step as
+a markdown table, with the intervals, and each arm's last step.
 """
 
 from __future__ import annotations
@@ -74,17 +75,23 @@ def markdown(arms: dict[str, list[dict]], key: str, episodes: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("directory", type=Path, help="the folder holding one run directory per arm")
+    parser.add_argument("directories", type=Path, nargs="+", help="folders holding one run directory per arm")
     parser.add_argument("--out", type=Path, default=Path("curves.png"))
     parser.add_argument("--val-episodes", type=int, default=512, help="episodes per validation (the interval's n)")
     args = parser.parse_args()
-    arms = read_arms(args.directory)
+    folders = " ".join(map(str, args.directories))
+    arms = {}
+    for directory in args.directories:
+        for name, records in read_arms(directory).items():
+            if name in arms:
+                parser.exit(2, f"error: two arms are named {name}, one in {directory}: give each its own name\n")
+            arms[name] = records
     if not arms:
-        parser.exit(2, f"error: no <arm>/metrics.jsonl under {args.directory}\n")
+        parser.exit(2, f"error: no <arm>/metrics.jsonl under {folders}\n")
     try:
         drawn = panels(arms)
     except ValueError as error:
-        parser.exit(2, f"error: {args.directory}: {error}\n")
+        parser.exit(2, f"error: {folders}: {error}\n")
     import matplotlib.pyplot as plt
 
     fig, axes = panel_grid(len(drawn), min(4, len(drawn)))

@@ -14,13 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 from SPA_agent import stages
 from SPA_agent.runs import atomic_io
-from SPA_agent.selfplay.data_card import describe_files
-from SPA_agent.selfplay.data_variants import without_worldmodel_row
+from SPA_agent.selfplay import without_worldmodel
 from SPA_agent.spa_arms.settings import ARMS, Settings, StageError
 
 #: what --from DIR links into --out
@@ -216,27 +212,14 @@ def read_eval(out: Path) -> dict | None:
 
 
 def write_without_worldmodel(source: Path, target: Path, settings: Settings) -> None:
-    """DIR/data_nowm: every row of DIR/data as the base prompt mode shows it; the data card is written last."""
+    """DIR/data_nowm: every row of DIR/data as the base prompt mode shows it (SPA_agent.selfplay.without_worldmodel);
+    kept where its data card is already there."""
     if (target / stages.CARD_FILE).is_file():
         return
     from SPA_agent.config import compose
 
     envs = compose(settings.config, [f"model={settings.model}", *shlex.split(settings.overrides)]).custom_envs
-    target.mkdir(parents=True, exist_ok=True)
-    counts = {}
-    for split in stages.SPLITS:
-        table = pq.read_table(source / f"{split}.parquet")
-        rows = table.to_pylist()
-        for row in rows:
-            env = envs[row["env_tag"]]
-            row["prompt"], row["response"] = without_worldmodel_row(
-                row["prompt"], row["response"], env.env_instruction_add_worldmodel, env.env_instruction)
-        atomic_io.write_parquet(target / f"{split}.parquet", pa.Table.from_pylist(rows, schema=table.schema))
-        counts[split] = len(rows)
-    atomic_io.write_json(target / stages.CARD_FILE, {
-        "stage": "world-model rows without world model (SPA_agent.selfplay.data_variants.without_worldmodel_row)",
-        "source": source.name, "rows": counts, "files": describe_files(target, list(stages.DATA_FILES)),
-        "source_card": json.loads((source / stages.CARD_FILE).read_text(encoding="utf-8"))})
+    counts = without_worldmodel.write_without_worldmodel(source, target, envs)
     print(f"data without world model written to {target} ({counts})", flush=True)
 
 

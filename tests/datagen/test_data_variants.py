@@ -136,3 +136,36 @@ def test_rows_without_world_model_are_the_base_mode_rows_of_the_same_trajectorie
         assert (prompt, response) == (base_row["prompt"], base_row["response"])
     with pytest.raises(ValueError, match="add_worldmodel instruction"):
         without_worldmodel_row(rows["base"][0]["prompt"], "", env.env_instruction_add_worldmodel, env.env_instruction)
+
+
+def test_dataset_without_world_model_is_written_beside_its_source_and_passes_the_sft_checks(tmp_path, capsys):
+    """python -m SPA_agent.selfplay.without_worldmodel: issue 43's format-only data (benchmarks/smollm2_sweep.sh
+    START=nowm), every row of a stage-1 dataset in the base format, a card naming the source's, refused inputs in one
+    line."""
+    from SPA_agent.selfplay.data_card import check_dataset_complete, check_dataset_config
+    from SPA_agent.selfplay.without_worldmodel import main
+
+    source, target = tmp_path / "data", tmp_path / "data_nowm"
+    generate(data_gen_config("_2_sokoban", source, "generator=random", *SMALL))
+    assert main(["--config-name", "_2_sokoban", str(source), str(target), "model=tiny"]) == 0
+    env = compose("_2_sokoban", ["model=tiny"]).custom_envs["SimpleSokoban"]
+    for name in DATA_FILES:
+        wm, nowm = (pq.read_table(d / name).to_pylist() for d in (source, target))
+        assert len(wm) == len(nowm) > 0
+        for a, b in zip(wm, nowm):
+            assert (b["prompt"], b["response"]) == without_worldmodel_row(
+                a["prompt"], a["response"], env.env_instruction_add_worldmodel, env.env_instruction)
+            assert (a["trajectory_id"], a["turn"], a["seed"]) == (b["trajectory_id"], b["turn"], b["seed"])
+            assert "<observation>" not in b["response"] and "<prediction>" not in b["response"]
+        check_dataset_complete(target / name)  # what SFT checks before it trains
+        check_dataset_config(target / name, "_2_sokoban")
+    card = json.loads((target / "data_card.json").read_text())
+    assert card["source_card"] == json.loads((source / "data_card.json").read_text())
+    assert "data without world model written to" in capsys.readouterr().out
+
+    (source / "data_card.json").unlink()
+    assert main(["--config-name", "_2_sokoban", str(source), str(tmp_path / "other"), "model=tiny"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "has no data_card.json" in err and err.count("\n") == 1
+    assert main(["--config-name", "_2_sokoban", str(target), str(target), "model=tiny"]) == 2
+    assert "the target" in capsys.readouterr().err

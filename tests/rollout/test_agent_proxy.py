@@ -107,3 +107,22 @@ def test_entry_points_report_user_errors_in_one_line(override, message, tmp_path
     code, err = call_entry(generate_sft_data, ["--config-name", "_2_sokoban", "model=tiny", override,
                                                f"data_gen.output_dir={tmp_path}"])
     assert code == 2 and message in err and err.startswith("error: ") and err.count("\n") == 1
+
+
+def test_a_runs_seed_changes_its_sampled_rollouts_not_its_puzzles(tiny_config, tiny_tokenizer, tiny_dir):
+    """Issue 43's seeds of a PPO run (docs/results/smollm2_table2/arms.txt): `trainer.seed=s generator.seed=s`.
+    The rollouts sample from generator.seed's stream alone, so trainer.seed (torch's global seed: the critic's
+    value head) without it would replay seed 0's first rollout; with it every seed samples its own, on the same
+    puzzles."""
+    def first_rollout(*seeds: str):
+        cfg = tiny_config("_2_sokoban", "generator=hf", "agent_proxy.max_turn=1",
+                          "actor_rollout_ref.rollout.response_length=16", *seeds)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.trainer.seed)  # the PPO entry point's seed_everything, for torch
+            batch = _proxy(cfg, tiny_tokenizer, tiny_dir).rollout(val=False).batch
+        return batch.batch["responses"].tolist(), batch.non_tensor_batch["seeds"].tolist()
+
+    runs = {s: first_rollout(f"trainer.seed={s}", f"generator.seed={s}") for s in (0, 1, 2)}
+    assert runs[0][1] == runs[1][1] == runs[2][1]  # the same puzzles
+    assert runs[0][0] != runs[1][0] and runs[0][0] != runs[2][0] and runs[1][0] != runs[2][0]
+    assert first_rollout("trainer.seed=1") == runs[0]

@@ -52,3 +52,18 @@ def test_panels_are_those_some_arm_logs(tmp_path):
 def test_no_arms_is_a_one_line_error(tmp_path):
     result = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)], capture_output=True, text=True)
     assert result.returncode == 2 and result.stderr.strip() == f"error: no <arm>/metrics.jsonl under {tmp_path}"
+
+
+def test_arms_of_several_sweeps_side_by_side(tmp_path):
+    """Issue 43's Table 2 lease: one sweep per start (docs/results/smollm2_table2), one table of all their arms."""
+    spa, vanilla = tmp_path / "wm", tmp_path / "base"
+    for directory, name, success in ((spa, "spa_s0", 0.25), (vanilla, "vanilla_s0", 0.5)):
+        directory.mkdir()
+        write_arm(directory, name, success, 25, critic=True)
+    command = [sys.executable, str(SCRIPT), str(spa), str(vanilla), "--out", str(tmp_path / "c.png")]
+    lines = subprocess.run(command, capture_output=True, text=True, check=True).stdout.splitlines()
+    assert lines[2:] == ["| spa_s0 | 0.035 [0.022, 0.055] | 0.250 [0.214, 0.289] | 25 |",
+                         "| vanilla_s0 | 0.035 [0.022, 0.055] | 0.500 [0.457, 0.543] | 25 |"]
+    result = subprocess.run([*command[:3], str(spa)], capture_output=True, text=True)
+    assert result.returncode == 2 and result.stderr.strip() == f"error: two arms are named spa_s0, one in {spa}: " \
+        "give each its own name"

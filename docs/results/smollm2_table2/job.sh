@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Issue 43: the paper's Table 2 rows for SmolLM2-135M-Instruct on SimpleSokoban, one lease (README.md beside this
+# file). Written for nvidia-h200-x2; uses every GPU of a larger host. The calling lease joins the SmolLM2 GGUF into
+# /tmp/smol.gguf, installs the CPU wheels (ray included) into /tmp/site and starts this script (setsid) from a copy
+# of the tree in /tmp/repo, as docs/results/smollm2_study2/job.sh:
+#   1. carry gguf part aa and the first wheels: mkdir -p /tmp/p && cp <part aa> <wheels>/* /tmp/p/
+#   2. carry part ab and the next wheels, the same way
+#   3. carry part ac and ray's wheels, then: cat /tmp/p/<parts> > /tmp/smol.gguf (check its sha256),
+#      pip install --no-index --no-deps --target /tmp/site /tmp/p/*.whl, cp -r "$PWD" /tmp/repo,
+#      (setsid nohup bash /tmp/repo/docs/results/smollm2_table2/job.sh > /tmp/job.log 2>&1 &)
+#   then calls that sleep, print /tmp/out/progress.txt and end with collect.sh (the results so far, without
+#   checkpoints, into $OUT; it prints each arm's last step and validations).
+#
+# The arms are the lines of arms.txt ("<name> <start> <PPO overrides>"), in priority order: SPA, format-only and
+# Vanilla RL with seed 0, then seeds 1 and 2 of SPA, then of format-only, then of Vanilla RL. The first
+# ARMS_PER_GPU (3) x GPUs of them run (ARMS="name ..." picks others, e.g. the rest in a later lease); arm i goes to
+# GPU i mod GPUs. Three sweeps of benchmarks/smollm2_sweep.sh run side by side, one per start:
+#   wm    random-action data, world-model SFT (2 epochs) on the first GPU of its arms, then its arms (SPA);
+#   nowm  the same data without state blocks, SFT on the first GPU of its arms, then its arms (format-only);
+#   base  no data, no SFT: its arms start at once from the untouched model (Vanilla RL).
+# The two SFTs run side by side (spa_s0 is on GPU 0, format_s0 on GPU 1). Every arm: GAE, actor lr 1e-5, critic
+# 1e-4, validation at step 0 and every 25 steps on 128 puzzles x 4, up to 300 steps (the lease ends them sooner).
+#
+# Expected steps (an ESTIMATE, not measured: no lease has run several SmolLM2 arms on one GPU). One arm alone on an
+# H200 took ~9.5 s a step and ~17 s a validation (study2, wm_gae). The decode replays CUDA graphs, so the GPU is busy
+# for about half of a step, and without MPS a GPU runs one process's kernels at a time: three arms on a GPU should
+# take ~15-20 s a step each. Data and SFT take ~4-5 minutes (conversion, 10 s of data, ~2.5 min of SFT sharing its
+# GPU with a Vanilla arm), so in ~25 minutes of running: the SFT arms ~60-75 steps, the Vanilla arms ~70-90 (they
+# start at once). On nvidia-h200-x2 (6 arms: spa_s0 spa_s1 spa_s2 format_s0 format_s1 vanilla_s0) the rows compare
+# at step 50, perhaps 75. ARMS_PER_GPU=2 (4 arms) should give ~90-100 steps each. On nvidia-h200-x4 all 9 arms run,
+# 2-3 a GPU. Each arm holds ~20-35 GiB at its peak (weights, optimizer states, the validation's KV cache of 512
+# sequences); three a GPU stay under the H200's 139 GiB.
+#
+# Settings for a CPU check of the plumbing: MODEL=tiny STEPS=2 TEST_FREQ=1, OVERRIDES (added to every arm's, e.g.
+# shorter answers), SFT_OVERRIDES (the sweep's), REPO (the tree, /tmp/repo) and WORK (where results go, /tmp).
+REPO="${REPO:-/tmp/repo}"; WORK="${WORK:-/tmp}"; O="$WORK/out"
+export PYTHONPATH="/tmp/site:$REPO" SPA_SMOLLM2_GGUF=/tmp/smol.gguf PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 \
+    TRANSFORMERS_OFFLINE=1 NCCL_NVLS_ENABLE=0 PATH="/tmp/site/bin:$PATH"
+export MODEL="${MODEL:-smollm2-135m}"
+mkdir -p "$O"
+p() { echo "$(date -u +%T) $*" >> "$O/progress.txt"; }
+cd "$REPO" || exit 1
+HERE=docs/results/smollm2_table2
+nvidia-smi > "$O/gpu.txt" 2>&1
+N=$(nvidia-smi --list-gpus 2>/dev/null | grep -c GPU)
+
+# The arms of this lease, each with its GPU (none on a CPU host).
+case "${ARMS_PER_GPU:-3}" in
+    ""|0|*[!0-9]*) echo "error: ARMS_PER_GPU takes a number >= 1, got '$ARMS_PER_GPU'" >&2; exit 2 ;;
+esac
+ALL="$(grep -v '^#' $HERE/arms.txt)"
+if [ -n "${ARMS:-}" ]; then
+    for name in $ARMS; do
+        grep -q "^$name " <<< "$ALL" || { echo "error: ARMS names '$name', not an arm of $HERE/arms.txt" >&2; exit 2; }
+    done
+    CHOSEN="$(grep -E "^($(echo $ARMS | tr ' ' '|')) " <<< "$ALL")"  # in the file's order
+elif [ "$N" -gt 0 ]; then
+    CHOSEN="$(head -n $(( N * ${ARMS_PER_GPU:-3} )) <<< "$ALL")"
+else
+    CHOSEN="$ALL"
+fi
+COUNT=$(grep -c . <<< "$CHOSEN")
+threads=$(( $(nproc) / (COUNT + 2) )); export OMP_NUM_THREADS=$(( threads > 0 ? threads : 1 ))  # arms + 2 SFTs
+p "gpus=$N arms=$(cut -d' ' -f1 <<< "$CHOSEN" | tr '\n' ' ')OMP_NUM_THREADS=$OMP_NUM_THREADS"
+if [ "$MODEL" = smollm2-135m ]; then python -m SPA_agent.smollm2 > "$O/convert.log" 2>&1; p "convert rc=$?"; fi
+
+# One sweep per start: its arms' lines ("<name> <overrides>") and their GPUs, in priority order.
+i=0
+declare -A SETTINGS GPU_IDS
+while read -r name start overrides; do
+    SETTINGS[$start]+="$name $overrides ${OVERRIDES:-}"$'\n'
+    [ "$N" -gt 0 ] && GPU_IDS[$start]+="$(( i % N )) "
+    i=$(( i + 1 ))
+done <<< "$CHOSEN"
+for start in wm nowm base; do
+    [ -n "${SETTINGS[$start]:-}" ] || continue
+    p "sweep $start on GPUs ${GPU_IDS[$start]:-none}: $(cut -d' ' -f1 <<< "${SETTINGS[$start]%$'\n'}" | tr '\n' ' ')"
+    (
+        START=$start GENERATOR=random MODE=base STEPS="${STEPS:-300}" TEST_FREQ="${TEST_FREQ:-25}" VAL_SAMPLES=4 \
+            SAVE_FREQ=0 GPU_IDS="${GPU_IDS[$start]:-}" OUT="$WORK/table2_$start" SETTINGS="${SETTINGS[$start]%$'\n'}" \
+            bash benchmarks/smollm2_sweep.sh > "$O/sweep_$start.out" 2>&1
+        p "sweep $start rc=$?"
+    ) &
+done
+wait
+p "sweeps done"
