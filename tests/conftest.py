@@ -1,8 +1,10 @@
 """Shared fixtures: the embedded tiny model and tokenizer, and composed configs; the child processes of the tests
-marked `background`, run on the machine's second core while the other tests run."""
+marked `background`, run on the machine's second core while the other tests run; the parsed YAML of config files,
+kept for the session."""
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import signal
@@ -13,6 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
+from omegaconf import OmegaConf
+from omegaconf._utils import get_yaml_loader
 
 from SPA_agent.config import compose
 from SPA_agent.tiny import tiny_model_dir
@@ -22,6 +27,35 @@ from SPA_agent.tiny import tiny_model_dir
 #: machines this suite runs on, and the marked tests run last, each asserting on its own processes' results (the
 #: fixture `background_run`). SPA_TEST_BACKGROUND=0, or one core, runs each test's processes when the test runs.
 BACKGROUND = (os.cpu_count() or 1) >= 2 and os.environ.get("SPA_TEST_BACKGROUND", "1") != "0"
+
+# --- YAML parsed once per text --------------------------------------------------------------------------------------
+#: The objects PyYAML parsed from each YAML text in this session. Hydra reads and parses every file of a config again
+#: at each composition (some 20 files, ~0.3 s, half of it in PyYAML's pure-Python parser) and the suite composes
+#: thousands of times; the same text parses to the same objects, so a copy of those is what OmegaConf.load builds its
+#: config from. Keyed by the whole text: a changed file is parsed again; a text that does not parse is never kept.
+_PARSED_YAML: dict[str, object] = {}
+_omegaconf_load = OmegaConf.load
+
+
+def _load_parsing_each_text_once(file_):
+    """OmegaConf.load (omegaconf 2.3) with the parse of each text kept; its errors, file name included, unchanged."""
+    if isinstance(file_, (str, Path)):
+        with open(os.path.abspath(file_), encoding="utf-8") as f:
+            return _load_parsing_each_text_once(f)
+    if not (hasattr(file_, "read") and hasattr(file_, "seekable") and file_.seekable()):
+        return _omegaconf_load(file_)
+    start = file_.tell()
+    text = file_.read()
+    if text not in _PARSED_YAML:
+        file_.seek(start)
+        _PARSED_YAML[text] = yaml.load(file_, Loader=get_yaml_loader())
+    obj = copy.deepcopy(_PARSED_YAML[text])
+    if obj is not None and not isinstance(obj, (list, dict, str)):
+        raise OSError(f"Invalid loaded object type: {type(obj).__name__}")
+    return OmegaConf.create() if obj is None else OmegaConf.create(obj)
+
+
+OmegaConf.load = staticmethod(_load_parsing_each_text_once)
 
 # One intra-op thread beside the background processes: OpenMP threads spinning on a core that another process
 # holds made tiny runs 10–20× slower; two threads where nothing runs beside the tests.
