@@ -5,6 +5,7 @@ kept for the session."""
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import re
 import signal
@@ -26,6 +27,8 @@ from SPA_agent.tiny import tiny_model_dir
 #: test loop starts: a thread runs them one after another beside the other tests, on the second core of the 2-core
 #: machines this suite runs on, and the marked tests run last, each asserting on its own processes' results (the
 #: fixture `background_run`). SPA_TEST_BACKGROUND=0, or one core, runs each test's processes when the test runs.
+#: A command that takes `tests` makes one job for all the selected tests marked with it (one interpreter start for
+#: several runs: tests/trainer/test_learning.py).
 BACKGROUND = (os.cpu_count() or 1) >= 2 and os.environ.get("SPA_TEST_BACKGROUND", "1") != "0"
 
 # --- YAML parsed once per text --------------------------------------------------------------------------------------
@@ -207,17 +210,21 @@ class BackgroundJob:
     """The child processes of one test marked `background(command=command)`: `command(directory, **parameters)` (the test's
     parametrize arguments) returns the keyword arguments of one process (`args`, and `env`, `cwd`, `timeout` if
     needed) or a list of them, run one after another; `directory` is made for the job (the test's `tmp_path` when
-    it runs there). `results` are their CompletedProcess (stdout and stderr as text)."""
+    it runs there). `results` are their CompletedProcess (stdout and stderr as text). A command that takes `tests`
+    is called once for all the selected tests marked with it, as `command(directory, tests=[(name, parameters), ...])`
+    (each test's function name and parametrize arguments, in the order they run)."""
 
-    def __init__(self, item: pytest.Item, directory: Path):
+    def __init__(self, items: list[pytest.Item], directory: Path):
         self.directory = directory
         self.results: list[subprocess.CompletedProcess] = []
         self.error: BaseException | None = None
         self.done = threading.Event()
         self.process: subprocess.Popen | None = None
         self.cancelled = False
+        command = background_command(items[0])
         try:
-            commands = item.get_closest_marker("background").kwargs["command"](directory, **parameters(item))
+            commands = (command(directory, tests=[(item.originalname, parameters(item)) for item in items])
+                        if takes_tests(command) else command(directory, **parameters(items[0])))
         except Exception as error:  # the test fails with it, not the collection
             self.commands, self.error = [], error
         else:
@@ -266,9 +273,28 @@ def parameters(item: pytest.Item) -> dict:
     return item.callspec.params if hasattr(item, "callspec") else {}
 
 
+def background_command(item: pytest.Item):
+    return item.get_closest_marker("background").kwargs["command"]
+
+
+def takes_tests(command) -> bool:
+    return "tests" in inspect.signature(command).parameters
+
+
 def job_key(item: pytest.Item) -> tuple:
-    """Tests of one `background` command with the same parameters share one job."""
-    return item.get_closest_marker("background").kwargs["command"], repr(sorted(parameters(item).items()))
+    """Tests of one `background` command with the same parameters share one job; all the tests of a command that
+    takes `tests` share one."""
+    command = background_command(item)
+    return (command,) if takes_tests(command) else (command, repr(sorted(parameters(item).items())))
+
+
+def job_items(items: list[pytest.Item]) -> dict[tuple, list[pytest.Item]]:
+    """The tests marked `background` among `items`, by job, in order."""
+    jobs: dict[tuple, list[pytest.Item]] = {}
+    for item in items:
+        if item.get_closest_marker("background"):
+            jobs.setdefault(job_key(item), []).append(item)
+    return jobs
 
 
 _BACKGROUND_JOBS = pytest.StashKey[dict]()
@@ -278,19 +304,17 @@ _RAN_HERE = pytest.StashKey[dict]()
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     """The selected tests marked `background` run last; with BACKGROUND their jobs are made here, in that order
-    (tests of one command and the same parameters share its job)."""
+    (`job_key`: which tests share a job)."""
     marked = [item for item in items if item.get_closest_marker("background")]
     if not marked:
         return
     items[:] = [item for item in items if not item.get_closest_marker("background")] + marked
     if BACKGROUND and not config.option.collectonly:
-        jobs, by_command = {}, {}
-        for item in marked:
-            key = job_key(item)
-            if key not in by_command:
-                directory = config._tmp_path_factory.mktemp(re.sub(r"[^A-Za-z0-9_]+", "-", item.name)[:40])
-                by_command[key] = BackgroundJob(item, directory)
-            jobs[item.nodeid] = by_command[key]
+        jobs = {}
+        for job_tests in job_items(marked).values():
+            directory = config._tmp_path_factory.mktemp(re.sub(r"[^A-Za-z0-9_]+", "-", job_tests[0].name)[:40])
+            job = BackgroundJob(job_tests, directory)
+            jobs.update((item.nodeid, job) for item in job_tests)
         config.stash[_BACKGROUND_JOBS] = jobs
 
 
@@ -320,7 +344,7 @@ def background_run(request, tmp_path) -> tuple[list[subprocess.CompletedProcess]
         key = job_key(request.node)
         ran_here = request.config.stash.setdefault(_RAN_HERE, {})
         if key not in ran_here:
-            ran_here[key] = BackgroundJob(request.node, tmp_path)
+            ran_here[key] = BackgroundJob(job_items(request.session.items)[key], tmp_path)
             ran_here[key].run()
         jobs[request.node.nodeid] = ran_here[key]
     return jobs[request.node.nodeid].wait()

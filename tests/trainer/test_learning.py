@@ -24,8 +24,10 @@ aggregation are pinned on hand-computed values by tests/trainer/test_outcome_est
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -77,6 +79,8 @@ VARIANTS = {
 }
 #: the estimators whose learning run is left to `pytest -m extended` (the module docstring says what covers them)
 EXTENDED_VARIANTS = ("rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "dr_grpo")
+#: where the child process writes the traceback of a run that raised (its test fails with it)
+ERROR_FILE = "error.txt"
 
 
 def bandit_sft_checkpoint(root: Path, env_overrides: Sequence[str], sft_overrides: Sequence[str] = ()) -> Path:
@@ -107,29 +111,36 @@ def shared_sft_checkpoint(root: Path) -> Path:
     return Path(made.read_text())
 
 
-def learning_run(directory: Path, overrides: Sequence[str]) -> dict:
-    """A learning test's run, a child process (this file as a script, below) that runs beside the other tests
-    (tests/conftest.py, `background`): PPO from the one-turn SFT checkpoint with `overrides` into <directory>/run.
-    The checkpoint is shared through the session's temporary directory (the first run makes it)."""
-    return {"args": [sys.executable, __file__, str(directory.parent / "bandit_sft"), str(directory / "run"), *overrides],
+def run_name(test: str, parameters: dict) -> str:
+    """The directory of a learning test's PPO run: its estimator, or three_turn."""
+    return parameters.get("estimator", "three_turn")
+
+
+def run_overrides(name: str) -> list[str]:
+    return [*MULTI_TURN, *MULTI_TURN_PPO] if name == "three_turn" else VARIANTS[name]
+
+
+def learning_runs(directory: Path, tests: list[tuple[str, dict]]) -> dict:
+    """The PPO runs of the selected learning tests, one after another in one child process (this file as a script,
+    below) that runs beside the other tests (tests/conftest.py, `background`): one interpreter start and one import of
+    the trainer for all of them, about 10 s of CPU each on a 2-core machine. Each run starts from the one-turn SFT
+    checkpoint (which the process makes first) and writes <directory>/<run_name>; each run seeds every RNG it uses
+    (main_ppo.build_trainer), so its curve is the one it has in a process of its own."""
+    runs = [[str(directory / name), run_overrides(name)] for name in dict.fromkeys(run_name(*test) for test in tests)]
+    return {"args": [sys.executable, __file__, str(directory / "bandit_sft"), json.dumps(runs)],
             "cwd": ROOT, "env": {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
-            "timeout": 900}
+            "timeout": 900 * len(runs)}
 
 
-def one_turn_run(directory: Path, estimator: str) -> dict:
-    return learning_run(directory, VARIANTS[estimator])
-
-
-def three_turn_run(directory: Path) -> dict:
-    return learning_run(directory, [*MULTI_TURN, *MULTI_TURN_PPO])
-
-
-def finished_run(background_run):
-    """(metric records, validation success by step, config) of a learning test's child process."""
+def finished_run(background_run, name: str):
+    """(metric records, validation success by step, config) of a learning test's run in the child process."""
     (result,), directory = background_run
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
-    records = read_metrics(directory / "run" / "metrics.jsonl")
-    return records, {r["step"]: r[SUCCESS] for r in records if SUCCESS in r}, OmegaConf.load(directory / "run" / "config.yaml")
+    run_dir = directory / name
+    error = run_dir / ERROR_FILE
+    assert not error.exists(), error.read_text()[-6000:]
+    assert (run_dir / "metrics.jsonl").exists(), result.stdout[-2000:] + result.stderr[-6000:]
+    records = read_metrics(run_dir / "metrics.jsonl")
+    return records, {r["step"]: r[SUCCESS] for r in records if SUCCESS in r}, OmegaConf.load(run_dir / "config.yaml")
 
 
 @pytest.fixture(scope="module")
@@ -138,11 +149,11 @@ def thinking_sft_checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.background(command=one_turn_run)
+@pytest.mark.background(command=learning_runs)
 @pytest.mark.parametrize("estimator", [pytest.param(e, marks=pytest.mark.extended) if e in EXTENDED_VARIANTS else e
                                        for e in VARIANTS])
 def test_ppo_learns_the_bandit_from_chance(background_run, estimator):
-    records, curve, cfg = finished_run(background_run)
+    records, curve, cfg = finished_run(background_run, estimator)
     print(f"{estimator}: validation success by step {curve}")
     assert CHANCE[0] <= curve[0] <= CHANCE[1], f"the SFT checkpoint is not at chance: {curve}"
     final = curve[cfg.trainer.total_training_steps]
@@ -161,9 +172,9 @@ def check_three_turn_learning(records: list[dict], cfg) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.background(command=three_turn_run)
+@pytest.mark.background(command=learning_runs)
 def test_ppo_learns_a_three_turn_bandit(background_run):
-    records, _, cfg = finished_run(background_run)
+    records, _, cfg = finished_run(background_run, "three_turn")
     check_three_turn_learning(records, cfg)
 
 
@@ -177,8 +188,16 @@ def test_grpo_learns_a_three_turn_bandit_with_thinking(thinking_sft_checkpoint, 
     check_three_turn_learning(read_metrics(run(cfg) / "metrics.jsonl"), cfg)
 
 
-if __name__ == "__main__":  # a learning test's child process: <SFT root> <run dir> <overrides...>, one torch thread
+if __name__ == "__main__":  # the learning tests' child process: <SFT root> <JSON [[run dir, overrides], ...]>, one torch thread
     torch.set_num_threads(1)
-    sft_root, run_dir, *overrides = sys.argv[1:]
+    sft_root, runs = sys.argv[1], json.loads(sys.argv[2])
     checkpoint = shared_sft_checkpoint(Path(sft_root))
-    run(compose(CONFIG, [f"model_path={checkpoint}", *overrides, f"trainer.default_local_dir={run_dir}"]))
+    failed = []
+    for run_dir, overrides in runs:
+        try:
+            run(compose(CONFIG, [f"model_path={checkpoint}", *overrides, f"trainer.default_local_dir={run_dir}"]))
+        except Exception:  # the run's test fails with it (finished_run); the other runs go on
+            Path(run_dir).mkdir(parents=True, exist_ok=True)
+            (Path(run_dir) / ERROR_FILE).write_text(traceback.format_exc())
+            failed.append(run_dir)
+    sys.exit(f"failed: {', '.join(failed)}" if failed else 0)
