@@ -8,8 +8,10 @@ import copy
 import os
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import interpreted_split_kv
 import pytest
 import torch
 from interpreted_split_kv import SHAPES, decode_inputs, generations  # the same inputs and decoder runs
@@ -22,24 +24,47 @@ pytestmark = pytest.mark.skipif(not split_kv_decode.available(), reason="needs t
 INTERPRETED = Path(__file__).with_name("interpreted_split_kv.py")
 
 
-def run_interpreted(marker: str) -> None:
-    """interpreted_split_kv.py's tests of `marker` in a child pytest with TRITON_INTERPRET=1 from its start."""
+#: the tests below that run interpreted_split_kv.py's tests of a marker (`slow` or not) in the child pytest
+INTERPRETED_TESTS = {"test_kernels_under_the_interpreter_equal_the_masked_reference": "not slow",
+                     "test_decoder_under_the_interpreter_samples_what_its_cpu_attention_samples": "slow"}
+
+
+@pytest.fixture(scope="module")
+def interpreted_outcomes(request, tmp_path_factory) -> dict[str, list[str]]:
+    """interpreted_split_kv.py's tests in one child pytest with TRITON_INTERPRET=1 from its start (one interpreter
+    start for both tests below; the markers of those selected in this session): the outcomes of each child test
+    (`passed`, `failed`, `error` or `skipped`, one per parametrization), and its output under "output"."""
+    markers = sorted({INTERPRETED_TESTS[item.originalname] for item in request.session.items
+                      if getattr(item, "module", None) is request.module and item.originalname in INTERPRETED_TESTS})
+    report = tmp_path_factory.mktemp("interpreted") / "report.xml"
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marker, str(INTERPRETED)],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", " or ".join(f"({m})" for m in markers),
+         f"--junitxml={report}", str(INTERPRETED)],
         env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=INTERPRETED.parents[2], capture_output=True, text=True,
         timeout=900,
     )
-    assert result.returncode == 0 and " passed" in result.stdout and "skipped" not in result.stdout, (
-        result.stdout[-6000:] + result.stderr[-3000:])
+    outcomes = {"output": [result.stdout[-6000:] + result.stderr[-3000:]]}
+    for case in ET.parse(report).getroot().iter("testcase") if report.exists() else ():
+        outcome = next((child.tag for child in case if child.tag in ("failure", "error", "skipped")), "passed")
+        outcomes.setdefault(case.get("name").split("[")[0], []).append(outcome.replace("failure", "failed"))
+    return outcomes
 
 
-def test_kernels_under_the_interpreter_equal_the_masked_reference():
-    run_interpreted("not slow")
+def assert_interpreted_tests_passed(outcomes: dict[str, list[str]], marker: str) -> None:
+    """Every test of interpreted_split_kv.py under `marker` ran in the child pytest, each case passed, none skipped."""
+    names = [name for name, test in vars(interpreted_split_kv).items() if name.startswith("test_")
+             and ("slow" in [mark.name for mark in getattr(test, "pytestmark", [])]) == (marker == "slow")]
+    assert names and all(outcomes.get(name) and set(outcomes[name]) == {"passed"} for name in names), (
+        {name: outcomes.get(name) for name in names}, outcomes["output"][0])
+
+
+def test_kernels_under_the_interpreter_equal_the_masked_reference(interpreted_outcomes):
+    assert_interpreted_tests_passed(interpreted_outcomes, "not slow")
 
 
 @pytest.mark.slow
-def test_decoder_under_the_interpreter_samples_what_its_cpu_attention_samples():
-    run_interpreted("slow")
+def test_decoder_under_the_interpreter_samples_what_its_cpu_attention_samples(interpreted_outcomes):
+    assert_interpreted_tests_passed(interpreted_outcomes, "slow")
 
 
 def test_unsupported_head_sizes_and_layouts_are_one_line_errors():
