@@ -7,7 +7,9 @@ Reads `<run>/metrics.jsonl` of every run directory there (one arm each; with sev
 them, whose names must differ) and draws, per PPO step and one line per arm: the validation success with its 95%
 Wilson interval over --val-episodes episodes (128 puzzles × the validation samples), the training success, the share
 of well-formed training turns, the entropy of the answer span, the KL to the reference model, the critic's explained
-variance and the step's seconds (panels no arm logs are left out). Prints the validation success per arm and step as
+variance, the step's seconds, and in add_worldmodel prompts the validation's world-model accuracy (the share of turns
+whose written observation, and prediction, is exactly the true current and next state; no interval: its count is
+turns, not episodes) (panels no arm logs are left out). Prints the validation success per arm and step as
 a markdown table, with the intervals, and each arm's last step.
 """
 
@@ -24,7 +26,9 @@ from backend_curves import curve, panel_grid, wilson  # noqa: E402
 PANELS = (("val-env/{env}/success", "validation success"), ("train/{env}/success", "training success"),
           ("train/diag/format_valid", "well-formed training turns"), ("diag/entropy/answer", "answer-span entropy"),
           ("diag/kl_ref", "KL to the reference model"), ("critic/vf_explained_var", "critic explained variance"),
-          ("timing_s/step", "seconds a step"))
+          ("timing_s/step", "seconds a step"),
+          ("val-env/{env}/worldmodel/observation_exact", "validation: observation exact"),
+          ("val-env/{env}/worldmodel/prediction_exact", "validation: prediction exact"))
 
 
 def read_arms(directory: Path) -> dict[str, list[dict]]:
@@ -103,7 +107,7 @@ def main() -> None:
             validation = key.startswith("val-env/")
             ax.plot(steps, ys, marker="o" if validation else None, ms=3, lw=1.2 if validation else 0.8,
                     color=colours[name], label=name, alpha=0.85)
-            if validation:
+            if key.endswith("/success") and validation:  # the interval's n is episodes
                 bounds = [wilson(y, args.val_episodes) for y in ys]
                 ax.fill_between(steps, [b[0] for b in bounds], [b[1] for b in bounds], color=colours[name],
                                 alpha=0.12)

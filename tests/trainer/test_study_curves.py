@@ -49,6 +49,29 @@ def test_panels_are_those_some_arm_logs(tmp_path):
                       "answer-span entropy", "KL to the reference model", "seconds a step"]  # no critic
 
 
+def test_world_model_accuracy_panels_where_an_arm_logs_them(tmp_path):
+    """An add_worldmodel arm logs its validation's world-model accuracy; the panels follow the fixed ones, once for
+    all arms, and the arms without them (base prompts) are drawn beside it."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import study_curves
+
+    write_arm(tmp_path, "format_s0", 0.2, 26, critic=True)
+    write_arm(tmp_path, "spa_s0", 0.3, 26, critic=True)
+    path = tmp_path / "spa_s0" / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    first = json.loads(lines[0])
+    first.update({"val-env/SimpleSokoban/worldmodel/observation_exact": 0.99,
+                  "val-env/SimpleSokoban/worldmodel/prediction_exact": 0.28})
+    path.write_text("\n".join([json.dumps(first), *lines[1:]]))
+    drawn = study_curves.panels(study_curves.read_arms(tmp_path))
+    assert drawn[-2:] == [("val-env/SimpleSokoban/worldmodel/observation_exact", "validation: observation exact"),
+                          ("val-env/SimpleSokoban/worldmodel/prediction_exact", "validation: prediction exact")]
+    assert len(drawn) == 9
+    result = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "--out", str(tmp_path / "c.png")],
+                            capture_output=True, text=True, check=True)
+    assert result.stdout.splitlines()[0] == "| arm | step 0 | step 25 | last step |"  # the table: success alone
+
+
 def test_no_arms_is_a_one_line_error(tmp_path):
     result = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)], capture_output=True, text=True)
     assert result.returncode == 2 and result.stderr.strip() == f"error: no <arm>/metrics.jsonl under {tmp_path}"
