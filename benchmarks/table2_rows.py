@@ -1,0 +1,103 @@
+"""Issue 43's Table 2 rows from the arms of Table 2 leases (docs/results/smollm2_table2): one row per setting, its
+seeds pooled.
+
+    python benchmarks/table2_rows.py lease1/table2_wm/ppo/_2_sokoban lease1/table2_nowm/ppo/_2_sokoban \\
+        lease2/table2_wm/ppo/_2_sokoban ... --val-episodes 512
+
+An arm `<row>_s<seed>` (spa_s0, format_s1, ...) belongs to row `<row>`; arms of several folders and leases are read
+together (their names must differ, as in study_curves.py). A row's success at a validation step is the mean of its
+seeds' success there, with a 95% Wilson interval over the pooled episodes (seeds × --val-episodes). The seeds validate on the same
+puzzles, so the pooled episodes are not independent and the interval is narrower than one that allows for the
+puzzles; the seeds' own values are printed beside it. Two columns: step 0 (the start: Base for Vanilla RL, SFT-only for the others) and
+--step, by default the last validation step that every arm reached, so that every row is compared after the same
+number of PPO steps. Arms that have not validated at that step are left out of a row and named below the table.
+Where a row's arms log it (add_worldmodel prompts), the share of turns whose prediction is exactly the next state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from backend_curves import curve, wilson  # noqa: E402
+from study_curves import environment, read_arms  # noqa: E402
+
+SEED = re.compile(r"(?P<row>.+)_s(?P<seed>\d+)")
+
+
+def rows_of(arms: dict[str, list[dict]]) -> dict[str, list[str]]:
+    """{row: its arms}, in the order the rows first appear; an arm without `_s<seed>` is a row of its own."""
+    rows: dict[str, list[str]] = {}
+    for name in arms:
+        match = SEED.fullmatch(name)
+        rows.setdefault(match["row"] if match else name, []).append(name)
+    return rows
+
+
+def common_step(arms: dict[str, list[dict]], key: str) -> int:
+    """The last validation step that every arm reached."""
+    return min(max(curve(records, key), default=0) for records in arms.values())
+
+
+def cell(values: list[float], episodes: int) -> str:
+    mean = sum(values) / len(values)
+    low, high = wilson(mean, episodes * len(values))
+    return f"{mean:.3f} [{low:.3f}, {high:.3f}]"
+
+
+def table(arms: dict[str, list[dict]], step: int, episodes: int) -> str:
+    env = environment(arms)
+    success, prediction = f"val-env/{env}/success", f"val-env/{env}/worldmodel/prediction_exact"
+    lines = [f"| row | seeds | step 0 | step {step} | gain | each seed at step {step} | prediction exact, step 0 → {step} |",
+             "|---|---|---|---|---|---|---|"]
+    missing = []
+    for row, names in rows_of(arms).items():
+        reached = [name for name in names if step in curve(arms[name], success)]
+        missing += [name for name in names if name not in reached]
+        if not reached:
+            continue
+        start = [curve(arms[name], success)[0] for name in reached if 0 in curve(arms[name], success)]
+        end = [curve(arms[name], success)[step] for name in reached]
+        gain = f"{sum(end) / len(end) - sum(start) / len(start):+.3f}" if len(start) == len(end) else ""
+        seeds = ", ".join(f"{curve(arms[name], success)[step]:.3f}" for name in reached)
+        predicted = [curve(arms[name], prediction) for name in reached]
+        accuracy = ""
+        if all(0 in p and step in p for p in predicted):
+            accuracy = (f"{sum(p[0] for p in predicted) / len(predicted):.3f} → "
+                        f"{sum(p[step] for p in predicted) / len(predicted):.3f}")
+        lines.append(f"| {row} | {len(reached)} | {cell(start, episodes) if start else ''} | {cell(end, episodes)} "
+                     f"| {gain} | {seeds} | {accuracy} |")
+    if missing:
+        lines.append(f"\nnot validated at step {step}: {', '.join(missing)}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("directories", type=Path, nargs="+", help="folders holding one run directory per arm")
+    parser.add_argument("--val-episodes", type=int, default=512, help="episodes per validation of one arm")
+    parser.add_argument("--step", type=int, help="the validation step to compare at (default: the last one that "
+                                                 "every arm reached)")
+    args = parser.parse_args()
+    folders = " ".join(map(str, args.directories))
+    arms: dict[str, list[dict]] = {}
+    for directory in args.directories:
+        for name, records in read_arms(directory).items():
+            if name in arms:
+                parser.exit(2, f"error: two arms are named {name}, one in {directory}: give each its own name\n")
+            arms[name] = records
+    if not arms:
+        parser.exit(2, f"error: no <arm>/metrics.jsonl under {folders}\n")
+    try:
+        env = environment(arms)
+    except ValueError as error:
+        parser.exit(2, f"error: {folders}: {error}\n")
+    step = common_step(arms, f"val-env/{env}/success") if args.step is None else args.step
+    print(table(arms, step, args.val_episodes))
+
+
+if __name__ == "__main__":
+    main()
