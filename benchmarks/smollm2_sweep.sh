@@ -23,6 +23,12 @@
 # Checkpoints every SAVE_FREQ steps (default TEST_FREQ; 0: only at the last step, for a host that is given back
 # before a run could resume from them). SFT_OVERRIDES: Hydra overrides of the SFT after the preset's defaults (as
 # run_spa.sh's). MODEL: smollm2-135m (default), or tiny for a CPU check of the plumbing.
+# WAIT_FOR: a file to wait for before the runs start (unset: they start at once). Once its data and SFT are done (at
+# once for START=base) the sweep writes its runs' starting model into $OUT/logs/ready, waits until WAIT_FOR exists
+# and adds the file's Hydra overrides (separated by whitespace; none if empty) after every setting's, e.g.
+# agent_proxy.pipeline_turns=true from docs/results/smollm2_table2/job.sh's timing of both. The check before the
+# first stage cannot know them: each run's own config checks (SPA_agent/trainer/config_checks.py) refuse a bad one
+# when it starts.
 set -euo pipefail
 OUT="${OUT:-smollm2_sweep}"; [[ "$OUT" = /* ]] || OUT="$PWD/$OUT"  # relative to the caller's directory
 cd "$(dirname "$0")/.."
@@ -64,8 +70,8 @@ else
     START_MODEL="$OUT/sft/global_step_N"  # stands in for the checkpoint stage 2 will make, in the check below
 fi
 
-# Every stage's settings, each setting's PPO overrides included, checked before the first stage runs (the runs as
-# they will run: one GPU each).
+# Every stage's settings, each setting's PPO overrides included (not WAIT_FOR's), checked before the first stage
+# runs (the runs as they will run: one GPU each).
 STAGES=()
 [ "$START" = base ] || STAGES+=("$(printf '%s\n' "${DATA_STAGE[@]}")"
                                "$(SPA_PRINT_STAGE=1 bash sft/finetune_ft.sh "${SFT_STAGE[@]}")")
@@ -78,6 +84,7 @@ done <<< "$SETTINGS"
 check_stages "${STAGES[@]}"
 
 mkdir -p "$OUT/logs"
+rm -f "$OUT/logs/ready"  # a caller waiting for it must not see an earlier sweep's
 [ "$MODEL" = smollm2-135m ] && python -m SPA_agent.smollm2 > "$OUT/logs/convert.log" 2>&1
 if [ "$START" != base ]; then
     python "${DATA_STAGE[@]}" > "$OUT/logs/data.log" 2>&1
@@ -88,6 +95,13 @@ if [ "$START" != base ]; then
     env "${sft_placement[@]}" bash sft/finetune_ft.sh "${SFT_STAGE[@]}" > "$OUT/logs/sft.log" 2>&1
     START_MODEL="$(latest_checkpoint "$OUT/sft")"
 fi
+GATE=()  # WAIT_FOR's overrides, after every setting's
+if [ -n "${WAIT_FOR:-}" ]; then
+    echo "$START_MODEL" > "$OUT/logs/ready"
+    while [ ! -e "$WAIT_FOR" ]; do sleep 2; done
+    read -ra GATE <<< "$(tr '\n' ' ' < "$WAIT_FOR")"
+    echo "overrides from $WAIT_FOR: ${GATE[*]:-none}" >> "$OUT/logs/placement.txt"
+fi
 run=0
 while read -r name overrides; do
     placement=()  # one GPU a run, round-robin; none on a CPU host
@@ -95,7 +109,7 @@ while read -r name overrides; do
     echo "$name: ${placement[*]:-CPU}" >> "$OUT/logs/placement.txt"
     # shellcheck disable=SC2086
     env "${placement[@]}" BASE_DIR="$OUT/ppo" bash train_ppo_sfted.sh _2_sokoban "$START_MODEL" "$name" "${PPO[@]}" \
-        $overrides > "$OUT/logs/$name.log" 2>&1 &
+        $overrides "${GATE[@]}" > "$OUT/logs/$name.log" 2>&1 &
     run=$(( run + 1 ))
 done <<< "$SETTINGS"
 wait

@@ -1,9 +1,17 @@
 """Issue 43's Table 2 lease (docs/results/smollm2_table2): its arms are the rows' recipe, three seeds each, in the
-priority order the lease runs them, and every arm's PPO config composes for SmolLM2 and passes the PPO checks."""
+priority order the lease runs them, and every arm's PPO config composes for SmolLM2 and passes the PPO checks. Its
+pipelining gate: a sweep with WAIT_FOR adds the gate file's overrides to every arm, and job.sh writes the gate from
+the two step benchmarks (stubbed here: no model runs), or an empty one when it cannot time them."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -11,7 +19,10 @@ import pytest
 from SPA_agent.config import compose
 from SPA_agent.trainer.config_checks import check_config
 
-HERE = Path(__file__).resolve().parents[1] / "docs" / "results" / "smollm2_table2"
+REPO = Path(__file__).resolve().parents[1]
+HERE = REPO / "docs" / "results" / "smollm2_table2"
+#: the repository's python first, as the lease's PATH has it
+ENV = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
 #: what each start of benchmarks/smollm2_sweep.sh makes a row: (prompt mode, render mode, experiment override)
 ROWS = {"wm": ("spa", "add_worldmodel", "text_with_coordinates"), "nowm": ("format", "base", "text_with_coordinates"),
         "base": ("vanilla", "base", "text")}
@@ -53,3 +64,80 @@ def test_each_arm_composes_for_smollm2_and_passes_the_ppo_checks(name, start, ov
     assert cfg.trainer.val_before_train is True  # step 0 validates the starting model: the Base and SFT-only rows
     assert cfg.es_manager.val.env_groups * cfg.es_manager.val.group_size == 512  # 128 puzzles x 4
     assert cfg.generator.seed == cfg.trainer.seed == int(name[-1])
+
+
+def test_a_sweep_with_wait_for_is_ready_after_its_stages_then_adds_the_gate_after_each_arms_overrides(tmp_path):
+    out, gate = tmp_path / "sweep", tmp_path / "gate.txt"
+    env = {**ENV, "START": "base", "MODEL": "tiny", "GPUS": "0", "STEPS": "2", "TEST_FREQ": "1", "OUT": str(out),
+           "WAIT_FOR": str(gate), "SPA_PRINT_STAGE": "1",  # the arms print their PPO command instead of running
+           "SETTINGS": "a trainer.seed=1"}  # one arm: each costs two python starts before and two after the gate
+    sweep = subprocess.Popen(["bash", str(REPO / "benchmarks" / "smollm2_sweep.sh")], env=env, cwd=tmp_path,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while not (out / "logs" / "ready").exists():
+        assert sweep.poll() is None, sweep.stdout.read()
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert (out / "logs" / "ready").read_text() == "tiny\n"  # the arms' starting model (START=base)
+    time.sleep(0.5)
+    assert sweep.poll() is None and not (out / "logs" / "a.log").exists()  # waiting for the gate
+    gate.write_text("agent_proxy.pipeline_turns=true\n")
+    assert sweep.wait(timeout=60) == 0, sweep.stdout.read()
+    command = (out / "logs" / "a.log").read_text().split()
+    assert command[-2:] == ["trainer.seed=1", "agent_proxy.pipeline_turns=true"]  # after the setting's overrides
+
+
+SWEEP_STUB = """#!/usr/bin/env bash
+# smollm2_sweep.sh's WAIT_FOR protocol alone: ready after the SFT (none here), then the gate's overrides
+mkdir -p "$OUT/logs"
+[ "$START" = "${FAIL:-}" ] && exit 3
+echo "$OUT/sft/global_step_2" > "$OUT/logs/ready"
+while [ ! -e "$WAIT_FOR" ]; do sleep 0.1; done
+cp "$WAIT_FOR" "$OUT/logs/gate_seen"
+"""
+STEP_STUB = """import json, os, sys
+args = sys.argv[1:]
+pipeline = args[-1].split("=")[1]
+open(os.environ["STEP_ARGS"] + pipeline, "w").write(json.dumps(args))
+total = float(os.environ["TOTAL_" + pipeline])
+summary = {"metric": "summary", "timing_s/gen": total - 1, "total": total}
+open(args[args.index("--json") + 1], "w").write(json.dumps([summary]))
+"""
+
+
+def run_job(tmp_path: Path, **env: str) -> tuple[Path, Path]:
+    """job.sh with GATE=pipeline in a copy of the tree whose sweep and step benchmark are stubs; (work dir, out/)."""
+    repo, work = tmp_path / "repo", tmp_path / "work"
+    (repo / "benchmarks").mkdir(parents=True)
+    shutil.copytree(HERE, repo / "docs" / "results" / "smollm2_table2", ignore=shutil.ignore_patterns("lease*"))
+    (repo / "benchmarks" / "smollm2_sweep.sh").write_text(SWEEP_STUB)
+    (repo / "benchmarks" / "smollm2_step.py").write_text(STEP_STUB)
+    env = {**ENV, "MODEL": "tiny", "REPO": str(repo), "WORK": str(work), "ARMS": "spa_s0 format_s0 vanilla_s0",
+           "STEP_ARGS": str(tmp_path / "step_args_"), **env}
+    job = subprocess.run(["bash", str(repo / "docs" / "results" / "smollm2_table2" / "job.sh")], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert job.returncode == 0, job.stderr
+    return work, work / "out"
+
+
+@pytest.mark.parametrize("totals, gate", [((10.0, 9.0), "agent_proxy.pipeline_turns=true"), ((10.0, 9.5), "")],
+                         ids=["10pc_less_pipelined", "5pc_less_turn_by_turn"])
+def test_the_gate_pipelines_every_arm_when_the_spa_step_takes_at_least_10_percent_less(tmp_path, totals, gate):
+    work, out = run_job(tmp_path, TOTAL_false=str(totals[0]), TOTAL_true=str(totals[1]))
+    assert (work / "gate.txt").read_text() == gate + "\n"
+    for start in ("wm", "nowm", "base"):
+        assert (work / f"table2_{start}" / "logs" / "gate_seen").read_text() == gate + "\n"
+    for pipeline in ("false", "true"):
+        args = json.loads((tmp_path / f"step_args_{pipeline}").read_text())
+        assert args[args.index("--model-path") + 1] == str(work / "table2_wm" / "sft" / "global_step_2")
+        assert "ctx_manager.mode=add_worldmodel" in args and "critic.optim.lr=1e-4" in args
+    decision = [line for line in (out / "progress.txt").read_text().splitlines() if "turn by turn 10.0 s" in line]
+    assert len(decision) == 1 and decision[0].endswith("pipelined" if gate else "turn by turn")
+
+
+def test_the_gate_is_empty_without_timing_when_the_wm_sweep_fails(tmp_path):
+    work, out = run_job(tmp_path, FAIL="wm")
+    assert (work / "gate.txt").read_text() == ""
+    assert (work / "table2_base" / "logs" / "gate_seen").read_text() == ""
+    assert not list(tmp_path.glob("step_args_*"))
+    assert "the wm sweep exited before its SFT was done" in (out / "progress.txt").read_text()

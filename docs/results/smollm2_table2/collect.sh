@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The lease's results so far into $OUT/table2.tgz, run at the end of every polling call: job.sh's out/ (progress,
-# sweep logs) and each sweep's logs and PPO runs without checkpoints (metrics.jsonl with the validations,
-# config.yaml, run_identity.json), its data cards and the SFT's metrics, config and truncation report. Prints each
-# arm's last step and its validation success so far. WORK: where job.sh wrote (/tmp).
+# sweep logs, the pipelining gate's step benchmarks), gate.txt (the overrides the gate gave every arm) and each
+# sweep's logs and PPO runs without checkpoints (metrics.jsonl with the validations, config.yaml,
+# run_identity.json), its data cards and the SFT's metrics, config and truncation report. Prints each arm's last step
+# and its validation success so far. WORK: where job.sh wrote (/tmp).
 cd "${WORK:-/tmp}" || exit 1
 paths=(out)
+[ -e gate.txt ] && paths+=(gate.txt)
 for sweep in table2_wm table2_nowm table2_base; do
     for sub in logs ppo data/data_card.json data/data_card.md data_nowm/data_card.json sft/metrics.jsonl \
             sft/sft_config.yaml sft/truncation.json; do

@@ -31,8 +31,19 @@
 # 2-3 a GPU. Each arm holds ~20-35 GiB at its peak (weights, optimizer states, the validation's KV cache of 512
 # sequences); three a GPU stay under the H200's 139 GiB.
 #
+# GATE: pipeline (default) or off. With pipeline, the sweeps wait, after their SFTs, for $WORK/gate.txt
+# (smollm2_sweep.sh's WAIT_FOR); once every sweep is ready (or has exited), the job times 3 PPO steps of the SPA arm
+# (benchmarks/smollm2_step.py from the wm sweep's SFT checkpoint, spa_s0's overrides, add_worldmodel) turn by turn and
+# with agent_proxy.pipeline_turns=true, one after the other on the otherwise idle GPU 0, and gives every arm
+# pipelined turns if they took at least 10% less a step (the decision, both steps' and their gen's seconds in
+# progress.txt; the benchmarks' logs and JSON in out/gate_pipeline_{false,true}.*). No wm sweep among the arms, no
+# SFT checkpoint or a failed benchmark: every arm turn by turn. Every arm, the Vanilla RL ones too, then starts after
+# both SFTs and the timing (an ESTIMATE: ~1 minute a benchmark). off: no timing, every arm turn by turn and as soon
+# as its sweep is ready (Vanilla RL at once).
+#
 # Settings for a CPU check of the plumbing: MODEL=tiny STEPS=2 TEST_FREQ=1, OVERRIDES (added to every arm's, e.g.
-# shorter answers), SFT_OVERRIDES (the sweep's), REPO (the tree, /tmp/repo) and WORK (where results go, /tmp).
+# shorter answers), SFT_OVERRIDES (the sweep's), REPO (the tree, /tmp/repo), WORK (where results go, /tmp) and
+# GATE_ARGS (more arguments of the gate's step benchmark: --smoke on CPU, which times the tiny model instead).
 REPO="${REPO:-/tmp/repo}"; WORK="${WORK:-/tmp}"; O="$WORK/out"
 export PYTHONPATH="/tmp/site:$REPO" SPA_SMOLLM2_GGUF=/tmp/smol.gguf PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1 NCCL_NVLS_ENABLE=0 PATH="/tmp/site/bin:$PATH"
@@ -45,6 +56,8 @@ nvidia-smi > "$O/gpu.txt" 2>&1
 N=$(nvidia-smi --list-gpus 2>/dev/null | grep -c GPU)
 
 # The arms of this lease, each with its GPU (none on a CPU host).
+GATE="${GATE:-pipeline}"
+case "$GATE" in pipeline|off) ;; *) echo "error: GATE must be pipeline or off, got '$GATE'" >&2; exit 2 ;; esac
 case "${ARMS_PER_GPU:-3}" in
     ""|0|*[!0-9]*) echo "error: ARMS_PER_GPU takes a number >= 1, got '$ARMS_PER_GPU'" >&2; exit 2 ;;
 esac
@@ -72,15 +85,54 @@ while read -r name start overrides; do
     [ "$N" -gt 0 ] && GPU_IDS[$start]+="$(( i % N )) "
     i=$(( i + 1 ))
 done <<< "$CHOSEN"
+GATE_FILE="$WORK/gate.txt"; rm -f "$GATE_FILE" "$WORK"/table2_*/logs/ready  # none of an earlier job's
+WAIT_FOR=""; [ "$GATE" = pipeline ] && WAIT_FOR="$GATE_FILE"
+declare -A SWEEP_PID
 for start in wm nowm base; do
     [ -n "${SETTINGS[$start]:-}" ] || continue
     p "sweep $start on GPUs ${GPU_IDS[$start]:-none}: $(cut -d' ' -f1 <<< "${SETTINGS[$start]%$'\n'}" | tr '\n' ' ')"
     (
         START=$start GENERATOR=random MODE=base STEPS="${STEPS:-300}" TEST_FREQ="${TEST_FREQ:-25}" VAL_SAMPLES=4 \
             SAVE_FREQ=0 GPU_IDS="${GPU_IDS[$start]:-}" OUT="$WORK/table2_$start" SETTINGS="${SETTINGS[$start]%$'\n'}" \
-            bash benchmarks/smollm2_sweep.sh > "$O/sweep_$start.out" 2>&1
+            WAIT_FOR="$WAIT_FOR" bash benchmarks/smollm2_sweep.sh > "$O/sweep_$start.out" 2>&1
         p "sweep $start rc=$?"
     ) &
+    SWEEP_PID[$start]=$!
 done
+
+# gate FILE: into FILE every arm's extra overrides, one line (empty: turn by turn), from timing the SPA arm's PPO step
+# both ways; its decision into progress.txt.
+gate() {
+    local file="$1" ready="$WORK/table2_wm/logs/ready" pipeline
+    : > "$file"
+    if [ -z "${SWEEP_PID[wm]:-}" ]; then p "gate: no wm sweep among the arms, no timing: turn by turn"; return; fi
+    if [ ! -s "$ready" ]; then p "gate: the wm sweep exited before its SFT was done: turn by turn"; return; fi
+    for pipeline in false true; do
+        # shellcheck disable=SC2046,SC2086
+        CUDA_VISIBLE_DEVICES=0 python benchmarks/smollm2_step.py --model-path "$(cat "$ready")" --steps 3 --no-val \
+            --json "$O/gate_pipeline_$pipeline.json" ${GATE_ARGS:-} $(grep '^spa_s0 ' <<< "$ALL" | cut -d' ' -f3-) \
+            ${OVERRIDES:-} agent_proxy.pipeline_turns=$pipeline > "$O/gate_pipeline_$pipeline.log" 2>&1 \
+            || { p "gate: the step benchmark failed (pipeline_turns=$pipeline, rc=$?): turn by turn"; return; }
+    done
+    p "$(python - "$O/gate_pipeline_false.json" "$O/gate_pipeline_true.json" "$file" <<'PY'
+import json, sys
+off, on = ([r for r in json.load(open(path)) if r["metric"] == "summary"][0] for path in sys.argv[1:3])
+pipelined = on["total"] <= 0.9 * off["total"]  # at least 10% less a step
+open(sys.argv[3], "w").write("agent_proxy.pipeline_turns=true\n" if pipelined else "\n")
+print(f"gate: a step (its gen) turn by turn {off['total']} s ({off['timing_s/gen']} s), pipelined {on['total']} s "
+      f"({on['timing_s/gen']} s): {'pipelined' if pipelined else 'turn by turn'}")
+PY
+)"
+}
+
+if [ "$GATE" = pipeline ]; then
+    for start in "${!SWEEP_PID[@]}"; do  # every sweep ready, or exited (a failed one must not hold the others)
+        while [ ! -e "$WORK/table2_$start/logs/ready" ] && kill -0 "${SWEEP_PID[$start]}" 2>/dev/null; do sleep 1; done
+    done
+    p "gate: sweeps ready: $(cd "$WORK" && ls table2_*/logs/ready 2>/dev/null | cut -d/ -f1 | tr '\n' ' ')"
+    gate "$GATE_FILE.tmp"
+    mv "$GATE_FILE.tmp" "$GATE_FILE"  # whole, so that no sweep reads half of it
+    p "gate: every arm's extra overrides: '$(cat "$GATE_FILE")'"
+fi
 wait
 p "sweeps done"
