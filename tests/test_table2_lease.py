@@ -97,9 +97,10 @@ cp "$WAIT_FOR" "$OUT/logs/gate_seen"
 """
 STEP_STUB = """import json, os, sys
 args = sys.argv[1:]
-pipeline = args[-1].split("=")[1]
-open(os.environ["STEP_ARGS"] + pipeline, "w").write(json.dumps(args))
-total = float(os.environ["TOTAL_" + pipeline])
+name = {"true false": "pipelined", "false true": "kept_graphs", "false false": "turn_by_turn"}[
+    " ".join(arg.split("=")[1] for arg in args[-2:])]
+open(os.environ["STEP_ARGS"] + name, "w").write(json.dumps(args))
+total = float(os.environ["TOTAL_" + name])
 summary = {"metric": "summary", "timing_s/gen": total - 1, "total": total}
 open(args[args.index("--json") + 1], "w").write(json.dumps([summary]))
 """
@@ -120,19 +121,24 @@ def run_job(tmp_path: Path, **env: str) -> tuple[Path, Path]:
     return work, work / "out"
 
 
-@pytest.mark.parametrize("totals, gate", [((10.0, 9.0), "agent_proxy.pipeline_turns=true"), ((10.0, 9.5), "")],
-                         ids=["10pc_less_pipelined", "5pc_less_turn_by_turn"])
-def test_the_gate_pipelines_every_arm_when_the_spa_step_takes_at_least_10_percent_less(tmp_path, totals, gate):
-    work, out = run_job(tmp_path, TOTAL_false=str(totals[0]), TOTAL_true=str(totals[1]))
+@pytest.mark.parametrize("totals, gate", [((10.0, 9.0, 9.5), "agent_proxy.pipeline_turns=true"),
+                                         ((10.0, 9.5, 8.0), "generator.keep_decode_graphs=true"),
+                                         ((10.0, 9.5, 9.2), "")],
+                         ids=["pipelined_10pc_less", "kept_graphs_fastest", "none_10pc_less"])
+def test_the_gate_gives_every_arm_the_faster_setting_if_its_step_takes_at_least_10_percent_less(tmp_path, totals,
+                                                                                               gate):
+    work, out = run_job(tmp_path, **{f"TOTAL_{name}": str(total)
+                                     for name, total in zip(("turn_by_turn", "pipelined", "kept_graphs"), totals)})
     assert (work / "gate.txt").read_text() == gate + "\n"
     for start in ("wm", "nowm", "base"):
         assert (work / f"table2_{start}" / "logs" / "gate_seen").read_text() == gate + "\n"
-    for pipeline in ("false", "true"):
-        args = json.loads((tmp_path / f"step_args_{pipeline}").read_text())
+    for name in ("turn_by_turn", "pipelined", "kept_graphs"):
+        args = json.loads((tmp_path / f"step_args_{name}").read_text())
         assert args[args.index("--model-path") + 1] == str(work / "table2_wm" / "sft" / "global_step_2")
         assert "ctx_manager.mode=add_worldmodel" in args and "critic.optim.lr=1e-4" in args
     decision = [line for line in (out / "progress.txt").read_text().splitlines() if "turn by turn 10.0 s" in line]
-    assert len(decision) == 1 and decision[0].endswith("pipelined" if gate else "turn by turn")
+    chosen = {"agent_proxy.pipeline_turns=true": "pipelined", "generator.keep_decode_graphs=true": "kept graphs"}
+    assert len(decision) == 1 and decision[0].endswith(": " + chosen.get(gate, "turn by turn"))
 
 
 def test_the_gate_is_empty_without_timing_when_the_wm_sweep_fails(tmp_path):

@@ -33,13 +33,14 @@
 #
 # GATE: pipeline (default) or off. With pipeline, the sweeps wait, after their SFTs, for $WORK/gate.txt
 # (smollm2_sweep.sh's WAIT_FOR); once every sweep is ready (or has exited), the job times 3 PPO steps of the SPA arm
-# (benchmarks/smollm2_step.py from the wm sweep's SFT checkpoint, spa_s0's overrides, add_worldmodel) turn by turn and
-# with agent_proxy.pipeline_turns=true, one after the other on the otherwise idle GPU 0, and gives every arm
-# pipelined turns if they took at least 10% less a step (the decision, both steps' and their gen's seconds in
-# progress.txt; the benchmarks' logs and JSON in out/gate_pipeline_{false,true}.*). No wm sweep among the arms, no
-# SFT checkpoint or a failed benchmark: every arm turn by turn. Every arm, the Vanilla RL ones too, then starts after
-# both SFTs and the timing (an ESTIMATE: ~1 minute a benchmark). off: no timing, every arm turn by turn and as soon
-# as its sweep is ready (Vanilla RL at once).
+# (benchmarks/smollm2_step.py from the wm sweep's SFT checkpoint, spa_s0's overrides, add_worldmodel) three ways, one
+# after the other on the otherwise idle GPU 0: turn by turn, with agent_proxy.pipeline_turns=true and with
+# generator.keep_decode_graphs=true; every arm gets the faster of the two settings if its step took at least 10%
+# less than turn by turn's (the decision, the steps' and their gen's seconds in progress.txt; the benchmarks' logs
+# and JSON in out/gate_{turn_by_turn,pipelined,kept_graphs}.*). No wm sweep among the arms, no SFT checkpoint or a
+# failed benchmark: every arm turn by turn. Every arm, the Vanilla RL ones too, then starts after both SFTs and the
+# timing (an ESTIMATE: ~1 minute a benchmark). off: no timing, every arm turn by turn and as soon as its sweep is
+# ready (Vanilla RL at once).
 #
 # Settings for a CPU check of the plumbing: MODEL=tiny STEPS=2 TEST_FREQ=1, OVERRIDES (added to every arm's, e.g.
 # shorter answers), SFT_OVERRIDES (the sweep's), REPO (the tree, /tmp/repo), WORK (where results go, /tmp) and
@@ -103,24 +104,30 @@ done
 # gate FILE: into FILE every arm's extra overrides, one line (empty: turn by turn), from timing the SPA arm's PPO step
 # both ways; its decision into progress.txt.
 gate() {
-    local file="$1" ready="$WORK/table2_wm/logs/ready" pipeline
+    local file="$1" ready="$WORK/table2_wm/logs/ready" name pipeline kept
     : > "$file"
     if [ -z "${SWEEP_PID[wm]:-}" ]; then p "gate: no wm sweep among the arms, no timing: turn by turn"; return; fi
     if [ ! -s "$ready" ]; then p "gate: the wm sweep exited before its SFT was done: turn by turn"; return; fi
-    for pipeline in false true; do
+    while read -r name pipeline kept; do
         # shellcheck disable=SC2046,SC2086
         CUDA_VISIBLE_DEVICES=0 python benchmarks/smollm2_step.py --model-path "$(cat "$ready")" --steps 3 --no-val \
-            --json "$O/gate_pipeline_$pipeline.json" ${GATE_ARGS:-} $(grep '^spa_s0 ' <<< "$ALL" | cut -d' ' -f3-) \
-            ${OVERRIDES:-} agent_proxy.pipeline_turns=$pipeline > "$O/gate_pipeline_$pipeline.log" 2>&1 \
-            || { p "gate: the step benchmark failed (pipeline_turns=$pipeline, rc=$?): turn by turn"; return; }
-    done
-    p "$(python - "$O/gate_pipeline_false.json" "$O/gate_pipeline_true.json" "$file" <<'PY'
+            --json "$O/gate_$name.json" ${GATE_ARGS:-} $(grep '^spa_s0 ' <<< "$ALL" | cut -d' ' -f3-) ${OVERRIDES:-} \
+            agent_proxy.pipeline_turns=$pipeline generator.keep_decode_graphs=$kept > "$O/gate_$name.log" 2>&1 \
+            || { p "gate: the step benchmark failed ($name, rc=$?): turn by turn"; return; }
+    done <<< "turn_by_turn false false
+pipelined true false
+kept_graphs false true"
+    p "$(python - "$O" "$file" <<'PY'
 import json, sys
-off, on = ([r for r in json.load(open(path)) if r["metric"] == "summary"][0] for path in sys.argv[1:3])
-pipelined = on["total"] <= 0.9 * off["total"]  # at least 10% less a step
-open(sys.argv[3], "w").write("agent_proxy.pipeline_turns=true\n" if pipelined else "\n")
-print(f"gate: a step (its gen) turn by turn {off['total']} s ({off['timing_s/gen']} s), pipelined {on['total']} s "
-      f"({on['timing_s/gen']} s): {'pipelined' if pipelined else 'turn by turn'}")
+out, gate = sys.argv[1:3]
+steps = {name: [r for r in json.load(open(f"{out}/gate_{name}.json")) if r["metric"] == "summary"][0]
+         for name in ("turn_by_turn", "pipelined", "kept_graphs")}
+settings = {"pipelined": "agent_proxy.pipeline_turns=true", "kept_graphs": "generator.keep_decode_graphs=true"}
+best = min(settings, key=lambda name: steps[name]["total"])
+chosen = best if steps[best]["total"] <= 0.9 * steps["turn_by_turn"]["total"] else "turn_by_turn"  # >= 10% less
+open(gate, "w").write(settings.get(chosen, "") + "\n")
+print("gate: a step (its gen) " + ", ".join(f"{name.replace('_', ' ')} {step['total']} s ({step['timing_s/gen']} s)"
+                                             for name, step in steps.items()) + f": {chosen.replace('_', ' ')}")
 PY
 )"
 }
