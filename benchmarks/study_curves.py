@@ -53,6 +53,25 @@ def environment(arms: dict[str, list[dict]]) -> str:
     return names.pop()
 
 
+def read_folders(parser: argparse.ArgumentParser, directories: list[Path]) -> dict[str, list[dict]]:
+    """The arms of every folder, of one environment; an arm's name twice, no arm, or no environment's validation
+    success is a one-line error (exit 2)."""
+    folders = " ".join(map(str, directories))
+    arms: dict[str, list[dict]] = {}
+    for directory in directories:
+        for name, records in read_arms(directory).items():
+            if name in arms:
+                parser.exit(2, f"error: two arms are named {name}, one in {directory}: give each its own name\n")
+            arms[name] = records
+    if not arms:
+        parser.exit(2, f"error: no <arm>/metrics.jsonl under {folders}\n")
+    try:
+        environment(arms)
+    except ValueError as error:
+        parser.exit(2, f"error: {folders}: {error}\n")
+    return arms
+
+
 def panels(arms: dict[str, list[dict]]) -> list[tuple[str, str]]:
     env = environment(arms)
     logged = {key for records in arms.values() for record in records for key in record}
@@ -83,19 +102,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("curves.png"))
     parser.add_argument("--val-episodes", type=int, default=512, help="episodes per validation (the interval's n)")
     args = parser.parse_args()
-    folders = " ".join(map(str, args.directories))
-    arms = {}
-    for directory in args.directories:
-        for name, records in read_arms(directory).items():
-            if name in arms:
-                parser.exit(2, f"error: two arms are named {name}, one in {directory}: give each its own name\n")
-            arms[name] = records
-    if not arms:
-        parser.exit(2, f"error: no <arm>/metrics.jsonl under {folders}\n")
-    try:
-        drawn = panels(arms)
-    except ValueError as error:
-        parser.exit(2, f"error: {folders}: {error}\n")
+    arms = read_folders(parser, args.directories)
+    drawn = panels(arms)
     import matplotlib.pyplot as plt
 
     fig, axes = panel_grid(len(drawn), min(4, len(drawn)))

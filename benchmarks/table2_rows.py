@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from backend_curves import curve, wilson  # noqa: E402
-from study_curves import environment, read_arms  # noqa: E402
+from study_curves import environment, read_folders  # noqa: E402
 
 SEED = re.compile(r"(?P<row>.+)_s(?P<seed>\d+)")
 
@@ -82,20 +82,8 @@ def main() -> None:
     parser.add_argument("--step", type=int, help="the validation step to compare at (default: the last one that "
                                                  "every arm reached)")
     args = parser.parse_args()
-    folders = " ".join(map(str, args.directories))
-    arms: dict[str, list[dict]] = {}
-    for directory in args.directories:
-        for name, records in read_arms(directory).items():
-            if name in arms:
-                parser.exit(2, f"error: two arms are named {name}, one in {directory}: give each its own name\n")
-            arms[name] = records
-    if not arms:
-        parser.exit(2, f"error: no <arm>/metrics.jsonl under {folders}\n")
-    try:
-        env = environment(arms)
-    except ValueError as error:
-        parser.exit(2, f"error: {folders}: {error}\n")
-    step = common_step(arms, f"val-env/{env}/success") if args.step is None else args.step
+    arms = read_folders(parser, args.directories)
+    step = common_step(arms, f"val-env/{environment(arms)}/success") if args.step is None else args.step
     print(table(arms, step, args.val_episodes))
 
 
