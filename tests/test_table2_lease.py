@@ -91,6 +91,7 @@ SWEEP_STUB = """#!/usr/bin/env bash
 # smollm2_sweep.sh's WAIT_FOR protocol alone: ready after the SFT (none here), then the gate's overrides
 mkdir -p "$OUT/logs"
 [ "$START" = "${FAIL:-}" ] && exit 3
+echo "$GPU_IDS" > "$OUT/logs/gpu_ids"
 echo "$OUT/sft/global_step_2" > "$OUT/logs/ready"
 while [ ! -e "$WAIT_FOR" ]; do sleep 0.1; done
 cp "$WAIT_FOR" "$OUT/logs/gate_seen"
@@ -139,6 +140,21 @@ def test_the_gate_gives_every_arm_the_faster_setting_if_its_step_takes_at_least_
     decision = [line for line in (out / "progress.txt").read_text().splitlines() if "turn by turn 10.0 s" in line]
     chosen = {"agent_proxy.pipeline_turns=true": "pipelined", "generator.keep_decode_graphs=true": "kept graphs"}
     assert len(decision) == 1 and decision[0].endswith(": " + chosen.get(gate, "turn by turn"))
+
+
+@pytest.mark.parametrize("arms, gpu_ids", [
+    ("spa_s1 spa_s2 format_s1 format_s2", {"wm": "0 1", "nowm": "1 0"}),  # the two SFTs on GPUs 0 and 1
+    ("", {"wm": "0 1 0", "nowm": "1 1", "base": "0"}),  # the first 3 x 2 arms
+], ids=["seeds_1_2", "default_six"])
+def test_two_gpus_take_the_arms_round_robin_and_the_two_sfts_one_each(tmp_path, arms, gpu_ids):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text('#!/usr/bin/env bash\nprintf "GPU 0: H200\\nGPU 1: H200\\n"\n')
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    work, _ = run_job(tmp_path, ARMS=arms, PATH=f"{bin_dir}{os.pathsep}{ENV['PATH']}",
+                      **{f"TOTAL_{name}": "10" for name in ("turn_by_turn", "pipelined", "kept_graphs")})
+    assert {start: (work / f"table2_{start}" / "logs" / "gpu_ids").read_text().strip()
+            for start in ("wm", "nowm", "base") if (work / f"table2_{start}").exists()} == gpu_ids
 
 
 def test_the_gate_is_empty_without_timing_when_the_wm_sweep_fails(tmp_path):

@@ -86,6 +86,14 @@ while read -r name start overrides; do
     [ "$N" -gt 0 ] && GPU_IDS[$start]+="$(( i % N )) "
     i=$(( i + 1 ))
 done <<< "$CHOSEN"
+# Each sweep's SFT runs on its first GPU: the nowm sweep's list starts at another GPU than the wm sweep's where it
+# has one (on two GPUs, ARMS="spa_s1 spa_s2 format_s1 format_s2" would put both SFTs on GPU 0), the same arms a GPU.
+if [ -n "${GPU_IDS[wm]:-}" ] && [ -n "${GPU_IDS[nowm]:-}" ]; then
+    read -ra ids <<< "${GPU_IDS[nowm]}"
+    for k in "${!ids[@]}"; do
+        if [ "${ids[$k]}" != "${GPU_IDS[wm]%% *}" ]; then GPU_IDS[nowm]="${ids[*]:$k} ${ids[*]:0:$k}"; break; fi
+    done
+fi
 GATE_FILE="$WORK/gate.txt"; rm -f "$GATE_FILE" "$WORK"/table2_*/logs/ready  # none of an earlier job's
 WAIT_FOR=""; [ "$GATE" = pipeline ] && WAIT_FOR="$GATE_FILE"
 declare -A SWEEP_PID
