@@ -26,7 +26,7 @@
 # WAIT_FOR: a file to wait for before the runs start (unset: they start at once). Once its data and SFT are done (at
 # once for START=base) the sweep writes its runs' starting model into $OUT/logs/ready, waits until WAIT_FOR exists
 # and adds the file's Hydra overrides (separated by whitespace; none if empty) after every setting's, e.g.
-# agent_proxy.pipeline_turns=true from docs/results/smollm2_table2/job.sh's timing of both. The check before the
+# agent_proxy.pipeline_turns=true from docs/results/smollm2_table2/job.sh's speed gate. The check before the
 # first stage cannot know them: each run's own config checks (SPA_agent/trainer/config_checks.py) refuse a bad one
 # when it starts.
 set -euo pipefail

@@ -21,13 +21,10 @@
 # The two SFTs run side by side (spa_s0 is on GPU 0, format_s0 on GPU 1). Every arm: GAE, actor lr 1e-5, critic
 # 1e-4, validation at step 0 and every 25 steps on 128 puzzles x 4, up to 300 steps (the lease ends them sooner).
 #
-# Expected steps (an ESTIMATE, not measured: no lease has run several SmolLM2 arms on one GPU). One arm alone on an
-# H200 took ~9.5 s a step and ~17 s a validation (study2, wm_gae). The decode replays CUDA graphs, so the GPU is busy
-# for about half of a step, and without MPS a GPU runs one process's kernels at a time: three arms on a GPU should
-# take ~15-20 s a step each. Data and SFT take ~4-5 minutes (conversion, 10 s of data, ~2.5 min of SFT sharing its
-# GPU with a Vanilla arm), so in ~25 minutes of running: the SFT arms ~60-75 steps, the Vanilla arms ~70-90 (they
-# start at once). On nvidia-h200-x2 (6 arms: spa_s0 spa_s1 spa_s2 format_s0 format_s1 vanilla_s0) the rows compare
-# at step 50, perhaps 75. ARMS_PER_GPU=2 (4 arms) should give ~90-100 steps each. On nvidia-h200-x4 all 9 arms run,
+# Measured in lease 1 (one H200, spa_s0, format_s0 and vanilla_s0 on the one GPU; README.md beside this file): data
+# and the two SFTs ~5 minutes, then in ~25 minutes SPA reached step 51 (19.1 s a step), format-only 141 (7.9 s) and
+# Vanilla RL 52 (24.7 s: its samples run to the cap). One arm alone takes ~9.4 s a step. On nvidia-h200-x2 six arms
+# run (spa_s0 spa_s1 spa_s2 format_s0 format_s1 vanilla_s0); on nvidia-h200-x4 all 9 arms run,
 # 2-3 a GPU. Each arm holds ~20-35 GiB at its peak (weights, optimizer states, the validation's KV cache of 512
 # sequences); three a GPU stay under the H200's 139 GiB.
 #
