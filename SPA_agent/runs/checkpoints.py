@@ -7,7 +7,8 @@
 What a checkpoint holds (spec §10.5 for PPO):
 
     PPO   actor/, critic/     Hugging Face directories (model + tokenizer, `from_pretrained`) plus optimizer.pt;
-                              the critic is a token-classification model with one label
+                              the critic is a token-classification model with one label; a LoRA role's adds
+                              adapter/, and with trainer.save_merged_lora=False holds only adapter/ and optimizer.pt
           trainer_state.pt    the step, the env seed counters, the KL coefficient and the RNG states
     SFT   (the directory)     a Hugging Face directory: config, weights, tokenizer
           train_state/        trainer_state.json (global step, epoch, step in epoch, end-of-epoch flag),

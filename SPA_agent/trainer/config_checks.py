@@ -37,6 +37,7 @@ NUMBERS = (
     ("algorithm.gamma", 0, 1, False), ("algorithm.lam", 0, 1, False), ("algorithm.high_level_gamma", 0, 1, False),
     ("algorithm.kl_ctrl.kl_coef", 0, None, False),
     ("trainer.diagnostics.mi_freq", 0, None, True), ("trainer.diagnostics.mi_samples", 0, None, True),
+    ("trainer.max_wall_s", 0, None, False),
 )
 
 
@@ -153,6 +154,12 @@ def _check_trainer(cfg: DictConfig) -> None:
         raise ValueError(f"unknown trainer.resume_mode {trainer.resume_mode!r}; choose one of {list(RESUME_MODES)}")
     if trainer.test_freq > 0 and trainer.validation_steps < 1:
         raise ValueError("trainer.validation_steps must be >= 1 when trainer.test_freq > 0")
+    merged = trainer.get("save_merged_lora", True)
+    if not isinstance(merged, bool):
+        raise ValueError(f"trainer.save_merged_lora must be True or False, got {merged!r}")
+    if not merged and trainer.backend != "local":
+        raise ValueError("trainer.save_merged_lora=False is a setting of the local backend; the verl backend always "
+                         "saves the merged weights (hf_model)")
     diagnostics = trainer.diagnostics
     if diagnostics.mi_freq < 0 or (diagnostics.mi_freq > 0 and diagnostics.mi_samples < 2):
         raise ValueError("trainer.diagnostics needs mi_freq >= 0 (0 = off) and mi_samples >= 2 (prompts to tell apart), "

@@ -16,11 +16,12 @@ One step is a list of named, timed phases (`timing_s/<phase>`):
     update_actor   clipped policy loss − entropy bonus (+ KL loss), after critic_warmup steps
     testing        validation rollouts (`val-env/*`; world-model accuracy in add_worldmodel prompts) every test_freq
                    steps and at the last step
-    save_checkpoint  every save_freq steps and at the last step
+    save_checkpoint  every save_freq steps, at the last step, and at the step that runs past trainer.max_wall_s
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -37,6 +38,16 @@ from SPA_agent.trainer import algos
 from SPA_agent.trainer.backend import WorkerGroup
 from SPA_agent.trainer.diagnostics import Diagnostics
 from SPA_agent.trainer.metrics import FullCollections, PhaseTimer, data_metrics, mean_metrics, prefixed
+
+
+class WallTimeReached(Exception):
+    """`trainer.max_wall_s` ran out: the run stopped after `step` of `total` steps with a checkpoint of that step,
+    so the same command (resume_mode=auto) continues it."""
+
+    def __init__(self, step: int, total: int, seconds: float):
+        super().__init__(f"stopped after step {step} of {total}: {seconds:.0f} s of training reached "
+                         "trainer.max_wall_s; its checkpoint is saved")
+        self.step, self.total, self.seconds = step, total, seconds
 
 
 class PPOTrainer:
@@ -56,8 +67,10 @@ class PPOTrainer:
     # ---------------------------------------------------------------- the loop
 
     def fit(self) -> None:
-        """Train from the current (possibly resumed) step to trainer.total_training_steps."""
+        """Train from the current (possibly resumed) step to trainer.total_training_steps; raise WallTimeReached
+        (after saving) at the end of the first step that ends past trainer.max_wall_s seconds of this call."""
         trainer_cfg = self.cfg.trainer
+        started, max_wall_s = time.monotonic(), trainer_cfg.get("max_wall_s")
         if self.global_step == 0 and trainer_cfg.val_before_train and trainer_cfg.test_freq > 0:
             self.logger.log(self.validate(), step=0)
         steps = range(self.global_step + 1, self.total_steps + 1)
@@ -70,10 +83,13 @@ class PPOTrainer:
                     with timer("testing"):
                         metrics.update(self.validate())
                 self.global_step = step
-                if (trainer_cfg.save_freq > 0 and step % trainer_cfg.save_freq == 0) or last:
+                out_of_time = max_wall_s is not None and time.monotonic() - started >= max_wall_s and not last
+                if (trainer_cfg.save_freq > 0 and step % trainer_cfg.save_freq == 0) or last or out_of_time:
                     with timer("save_checkpoint"):
                         self.save()
             self.logger.log({**metrics, **timer.metrics(), "timing_s/gc_full": collections.seconds}, step=step)
+            if out_of_time:
+                raise WallTimeReached(step, self.total_steps, time.monotonic() - started)
 
     def train_step(self, step: int, timer: PhaseTimer) -> dict[str, float]:
         """One PPO iteration; returns its metrics (timings are added to `timer`)."""

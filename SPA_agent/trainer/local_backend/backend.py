@@ -335,11 +335,16 @@ class LocalBackend:
         return {}  # every phase is the driver's call
 
     def save(self, directory: Path) -> None:
-        """`<role>/`: Hugging Face model (merged under LoRA, plus `adapter/`), tokenizer, optimizer state."""
+        """`<role>/`: Hugging Face model (merged under LoRA, plus `adapter/`), tokenizer, optimizer state. Under
+        LoRA with trainer.save_merged_lora=False only `adapter/` and the optimizer state: what `load` reads."""
+        merged = self.cfg.trainer.get("save_merged_lora", True)
         for role, trainable in self._trainables().items():
             target = Path(directory) / role
-            lora.save_merged(trainable.model, target)
-            self.tokenizer.save_pretrained(target)
+            if lora.is_lora(trainable.model) and not merged:
+                lora.save_adapter(trainable.model, target)
+            else:
+                lora.save_merged(trainable.model, target)
+                self.tokenizer.save_pretrained(target)
             torch.save(trainable.state_dict(), target / OPTIMIZER_FILE)
 
     def load(self, directory: Path) -> None:
