@@ -10,7 +10,7 @@ import pytest
 import torch
 from peft.utils import load_peft_weights
 
-from SPA_agent.runs import checkpoints
+from SPA_agent.runs import checkpoints, relay
 from SPA_agent.runs.metrics_logger import read_metrics
 from SPA_agent.trainer.config_checks import check_config
 from SPA_agent.trainer.main_ppo import EXIT_TO_BE_CONTINUED, run
@@ -38,9 +38,10 @@ def test_a_slim_lora_run_stopped_by_the_clock_continues_elsewhere_as_if_never_st
                        for p in (first / "global_step_1" / role).rglob("*") if p.is_file())
         assert files == ["adapter/README.md", "adapter/adapter_config.json", "adapter/adapter_model.safetensors",
                          "optimizer.pt"], role
-    second = tmp_path / "second_machine"
-    shutil.copytree(first, second)
+    relay.pack(tmp_path, ["first_machine"], tmp_path / "parts", part_mib=0.05)  # carried in parts
     shutil.rmtree(first)
+    relay.unpack(tmp_path / "parts", tmp_path / "elsewhere")
+    second = tmp_path / "elsewhere" / "first_machine"
     carried = run(ppo_config("_2_sokoban", *slim, f"trainer.default_local_dir={second}"))
     records = [read_metrics(d / "metrics.jsonl") for d in (straight, carried)]
     assert [r["step"] for r in records[1]] == [1, 2, 3]
