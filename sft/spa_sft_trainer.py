@@ -12,11 +12,13 @@ tokens, so the update does not depend on the micro-batch split or the number of 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -71,6 +73,12 @@ RUN_DIR = TrainerDir.declare(
              "model.partial_pretrain", "model.use_liger", "trainer.resume", "trainer.max_ckpt_to_keep",
              "trainer.preflight_nproc", "trainer.wandb_mode"),
     fresh_hint="pass trainer.resume=disable")
+#: trainer.deterministic's environment, set before any CUDA work: cuBLAS's fixed workspace (read when cuBLAS first
+#: runs; one of the values PyTorch's deterministic mode accepts, the first unless another is set) and flash-attn's
+#: deterministic backward, which transformers passes on at each call (model.attn_implementation=flash_attention_2)
+CUBLAS_WORKSPACE = "CUBLAS_WORKSPACE_CONFIG"
+CUBLAS_DETERMINISTIC_VALUES = (":4096:8", ":16:8")
+FLASH_ATTN_DETERMINISTIC = "FLASH_ATTENTION_DETERMINISTIC"
 
 
 def check_attention(cfg: DictConfig, use_cuda: bool) -> None:
@@ -97,6 +105,48 @@ def resolve_kernel_choices(cfg: DictConfig, use_cuda: bool) -> None:
     if cfg.data.pad_packed_to_multiple == "auto":
         flex = cfg.model.attn_implementation == "flex_attention"
         cfg.data.pad_packed_to_multiple = FLEX_PAD_MULTIPLE if flex else 0
+
+
+def check_deterministic(cfg: DictConfig) -> bool:
+    """Whether `trainer.deterministic` is on; a one-line ValueError when it is not a boolean, or when it meets a
+    CUBLAS_WORKSPACE_CONFIG that PyTorch's deterministic mode refuses."""
+    on = cfg.trainer.get("deterministic", False)
+    if not isinstance(on, bool):
+        raise ValueError(f"trainer.deterministic must be true or false, got {on!r}")
+    workspace = os.environ.get(CUBLAS_WORKSPACE)
+    if on and workspace not in (None, *CUBLAS_DETERMINISTIC_VALUES):
+        raise ValueError(f"trainer.deterministic=true needs {CUBLAS_WORKSPACE} unset or one of "
+                         f"{', '.join(CUBLAS_DETERMINISTIC_VALUES)}, got {workspace!r}")
+    return on
+
+
+@contextlib.contextmanager
+def deterministic_torch() -> Iterator[None]:
+    """Deterministic kernels inside the block (trainer.deterministic=true); the process's settings come back after it.
+
+    `torch.use_deterministic_algorithms(True)` with warn_only=False: an op with no deterministic implementation raises
+    instead of warning, and flash attention's backward (packed_sdpa on GPU) takes its deterministic path only then;
+    Inductor (flex attention) skips the autotuning that picks kernels by timing. cuBLAS gets a fixed workspace and
+    flash-attn its deterministic backward (CUBLAS_WORKSPACE, FLASH_ATTN_DETERMINISTIC: this module is the entry
+    point, and the block starts before any CUDA work), and cuDNN no benchmarking.
+    """
+    environment = {name: os.environ.get(name) for name in (CUBLAS_WORKSPACE, FLASH_ATTN_DETERMINISTIC)}
+    torch_settings = (torch.are_deterministic_algorithms_enabled(),
+                      torch.is_deterministic_algorithms_warn_only_enabled(), torch.backends.cudnn.benchmark)
+    os.environ.setdefault(CUBLAS_WORKSPACE, CUBLAS_DETERMINISTIC_VALUES[0])
+    os.environ[FLASH_ATTN_DETERMINISTIC] = "1"
+    torch.use_deterministic_algorithms(True, warn_only=False)
+    torch.backends.cudnn.benchmark = False
+    try:
+        yield
+    finally:
+        enabled, warn_only, torch.backends.cudnn.benchmark = torch_settings
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+        for name, value in environment.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def check_step_settings(trainer: DictConfig) -> None:
@@ -129,12 +179,14 @@ class SftTrainer:
         self.out_dir = Path(cfg.trainer.default_local_dir)
         self.global_step = 0
         self.heartbeat = BackgroundHeartbeat("sft: loading data and model", disable=rank != 0)
+        self.process_settings = contextlib.ExitStack()  # what setup changes in the process; cleanup restores it
 
     # ---------------------------------------------------------------- setup
     def preflight(self) -> None:
         """Check config, data (complete dataset, files, schema, lengths) and the output directory (no other
         writer, same run identity when resuming) without process groups, a model or any write."""
         check_sft_config(self.cfg, self.world_size)
+        check_deterministic(self.cfg)
         wanted = self.cfg.trainer.device
         use_cuda = torch.cuda.is_available() if wanted == "auto" else wanted == "cuda"
         check_attention(self.cfg, use_cuda)
@@ -146,6 +198,9 @@ class SftTrainer:
     def setup(self) -> None:
         self.heartbeat.start()
         check_sft_config(self.cfg, self.world_size)
+        self.deterministic = check_deterministic(self.cfg)
+        if self.deterministic:
+            self.process_settings.enter_context(deterministic_torch())
         self.model_path = resolve_model_path(self.cfg.model.partial_pretrain)
         self._build_data()
         resume = self._check_output_dir()
@@ -163,6 +218,9 @@ class SftTrainer:
             checkpoints.clean_staging(self.out_dir)
             OmegaConf.save(self.cfg, self.out_dir / "sft_config.yaml")
             truncation = self.report_truncation()
+            if self.deterministic:
+                print(f"sft: deterministic kernels (trainer.deterministic=true, {CUBLAS_WORKSPACE}="
+                      f"{os.environ[CUBLAS_WORKSPACE]})", flush=True)
             self.metrics = MetricsLogger(self.out_dir, list(self.cfg.trainer.logger), self.cfg.trainer.project_name,
                                          self.cfg.trainer.experiment_name,
                                          OmegaConf.to_container(self.cfg) | {"truncation": truncation},
@@ -472,6 +530,7 @@ class SftTrainer:
 
     def cleanup(self) -> None:
         self.heartbeat.stop()
+        self.process_settings.close()
         if self.rank == 0 and hasattr(self, "metrics"):
             self.metrics.close()
         if hasattr(self, "lock"):
