@@ -163,3 +163,101 @@ def test_the_gate_is_empty_without_timing_when_the_wm_sweep_fails(tmp_path):
     assert (work / "table2_base" / "logs" / "gate_seen").read_text() == ""
     assert not list(tmp_path.glob("step_args_*"))
     assert "the wm sweep exited before its SFT was done" in (out / "progress.txt").read_text()
+
+
+RELAY_SWEEP_STUB = """#!/usr/bin/env bash
+# the WAIT_FOR protocol of SWEEP_STUB after an SFT checkpoint (SFT_BYTES: its weights); after the gate each arm's
+# run: carried in (its step recorded) or new, with a checkpoint of one more step
+mkdir -p "$OUT/logs" "$OUT/sft/global_step_2"
+printf '%s' "${SFT_BYTES:-same}" > "$OUT/sft/global_step_2/model.safetensors"
+echo "$RESUME $SFT_OVERRIDES" > "$OUT/logs/resume_and_sft"
+echo "$OUT/sft/global_step_2" > "$OUT/logs/ready"
+while [ ! -e "$WAIT_FOR" ]; do sleep 0.1; done
+cp "$WAIT_FOR" "$OUT/logs/gate_seen"
+while read -r name rest; do
+    run="$OUT/ppo/_2_sokoban/$name"
+    step=$(cat "$run/latest_checkpointed_iteration.txt" 2>/dev/null || echo 0)
+    echo "$step" > "$OUT/logs/$name.found_step"
+    step=$(( step + 1 ))
+    mkdir -p "$run/global_step_$step"
+    echo "{}" > "$run/run_identity.json"; echo "{\\"step\\": $step}" >> "$run/metrics.jsonl"
+    printf 'actor_rollout_ref:\\n  model:\\n    path: %s\\n' "$OUT/sft/global_step_2" > "$run/config.yaml"
+    echo state > "$run/global_step_$step/trainer_state.pt"; echo "$step" > "$run/latest_checkpointed_iteration.txt"
+done <<< "$SETTINGS"
+"""
+
+
+def run_relay_lease(tmp_path: Path, lease: str, relay_in: Path | None = None, **env: str) -> tuple[Path, str]:
+    """One relay lease of job.sh (DEADLINE in 1000 s) over stub sweeps in tmp_path/work, as on a fresh machine,
+    then moved to tmp_path/<lease> (the next lease's runs begin where this one's did); (its directory, progress)."""
+    repo, work = tmp_path / "repo", tmp_path / "work"
+    if not repo.exists():
+        (repo / "benchmarks").mkdir(parents=True)
+        shutil.copytree(HERE, repo / "docs" / "results" / "smollm2_table2", ignore=shutil.ignore_patterns("lease*"))
+        shutil.copytree(HERE.parent / "smollm2_relay", repo / "docs" / "results" / "smollm2_relay")
+        (repo / "benchmarks" / "smollm2_sweep.sh").write_text(RELAY_SWEEP_STUB)
+        (repo / "SPA_agent").symlink_to(REPO / "SPA_agent")  # python -m SPA_agent.runs.relay from the copy
+    if relay_in is not None:
+        shutil.copytree(relay_in, work / "relay_in")
+    env = {**ENV, "MODEL": "tiny", "REPO": str(repo), "WORK": str(work), "GATE": "off",
+           "ARMS_FILE": str(repo / "docs" / "results" / "smollm2_relay" / "arms.txt"),
+           "ARMS": "spa_lora format_lora", "DEADLINE": str(int(time.time()) + 1000), **env}
+    job = subprocess.run(["bash", str(repo / "docs" / "results" / "smollm2_table2" / "job.sh")], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert job.returncode == 0, job.stderr
+    work.rename(tmp_path / lease)
+    return tmp_path / lease, (tmp_path / lease / "out" / "progress.txt").read_text()
+
+
+@pytest.mark.slow
+def test_a_relay_lease_packs_its_runs_and_the_next_continues_them_over_the_same_sft(tmp_path):
+    work, progress = run_relay_lease(tmp_path, "lease1")
+    assert "relay: nothing carried in" in progress
+    for start, name in (("wm", "spa_lora"), ("nowm", "format_lora")):
+        logs = work / f"table2_{start}" / "logs"
+        assert (logs / f"{name}.found_step").read_text() == "0\n"
+        assert (logs / "resume_and_sft").read_text().split() == ["1", "trainer.deterministic=true"]
+        gate = (logs / "gate_seen").read_text().split()
+        assert len(gate) == 1 and 840 <= int(gate[0].removeprefix("trainer.max_wall_s=")) <= 850  # 1000 s - 150
+    assert "relay: packed" in progress and (work / "relay_out" / "relay.json").exists()
+    out = tmp_path / "returned"
+    out.mkdir()
+    collect = subprocess.run(["bash", str(HERE / "relay_collect.sh"), "0"], capture_output=True, text=True,
+                             env={**ENV, "OUT": str(out), "RELAY_OUT": str(work / "relay_out")})
+    assert collect.returncode == 0 and "1 parts, 1 calls" in collect.stdout, collect.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["relay.json", "relay.tar.000"]
+
+    work2, progress2 = run_relay_lease(tmp_path, "lease2", relay_in=out)  # another machine: same SFT bytes
+    assert "relay: carried in: " in progress2
+    assert (work2 / "table2_wm" / "logs" / "spa_lora.found_step").read_text() == "1\n"
+    assert (work2 / "table2_nowm" / "logs" / "format_lora.found_step").read_text() == "1\n"
+    assert [r["step"] for r in json.loads((work2 / "relay_out" / "relay.json").read_text())["runs"]] == [2, 2]
+
+    work3, progress3 = run_relay_lease(tmp_path, "lease3", relay_in=out, SFT_BYTES="other")  # an SFT not remade
+    assert "relay: NOT carried in, every arm starts at step 0" in progress3 and "other weights" in progress3
+    assert (work3 / "table2_wm" / "logs" / "spa_lora.found_step").read_text() == "0\n"
+
+
+def test_a_relay_needs_the_gate_off(tmp_path):
+    repo = tmp_path / "repo"
+    shutil.copytree(HERE, repo / "docs" / "results" / "smollm2_table2", ignore=shutil.ignore_patterns("lease*"))
+    job = subprocess.run(["bash", str(repo / "docs" / "results" / "smollm2_table2" / "job.sh")],
+                         env={**ENV, "REPO": str(repo), "WORK": str(tmp_path), "DEADLINE": "1", "GATE": "pipeline"},
+                         capture_output=True, text=True, timeout=60)
+    assert job.returncode == 2 and "needs GATE=off" in job.stderr
+
+
+def relay_arms() -> list[tuple[str, str, list[str]]]:
+    path = HERE.parent / "smollm2_relay" / "arms.txt"
+    lines = [line.split() for line in path.read_text().splitlines() if line and line[0] != "#"]
+    return [(name, start, overrides) for name, start, *overrides in lines]
+
+
+@pytest.mark.parametrize("name, start, overrides", relay_arms(), ids=[a[0] for a in relay_arms()])
+def test_each_relay_arm_trains_slim_lora_roles_and_passes_the_ppo_checks(name, start, overrides):
+    cfg = compose("_2_sokoban", ["model=smollm2-135m", *SWEEP, *overrides])
+    check_config(cfg)
+    assert cfg.ctx_manager.mode == ("base" if start == "nowm" else "add_worldmodel")
+    assert cfg.actor_rollout_ref.model.lora_rank == cfg.critic.model.lora_rank == 8
+    assert cfg.trainer.save_merged_lora is False  # what a lease can carry: adapters and optimizer state
+    assert cfg.algorithm.adv_estimator == ("grpo" if name.endswith("grpo") else "gae")

@@ -18,7 +18,8 @@ What a checkpoint holds (spec §10.5 for PPO):
 Saving: `stage` empties the staging directory, the trainer writes into it, `commit` renames it into place, points
 the latest file at it (PPO) and prunes, so a killed run never leaves a `global_step_N/` that looks complete and loses
 at most the steps since its last checkpoint; `clean_staging` removes what a killed run left behind. A run resumes
-from the newest checkpoint that holds its trainer state (`latest_step`).
+from the newest checkpoint that holds its trainer state (`latest_step`). The directory logic needs no torch (it is
+imported where a state is saved or loaded), so tools that only read the layout start fast (SPA_agent.runs.relay).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from SPA_agent.runs.atomic_io import read_json, write_text
 
@@ -136,6 +136,8 @@ def latest_step(root: str | Path) -> int | None:
 # ---------------------------------------------------------------- what a PPO checkpoint holds
 
 def rng_state() -> dict:
+    import torch
+
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -143,6 +145,8 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
+    import torch
+
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -154,6 +158,8 @@ def save_checkpoint(root: str | Path, step: int, write_models: Callable[[Path], 
                     keep: dict[str, int | None]) -> Path:
     """Save PPO's global_step_<step>: `write_models(dir)` writes `dir/actor` and `dir/critic`, `trainer_state`
     (plus the step and the RNG states) goes to trainer_state.pt; `keep` maps role → checkpoints kept (None = all)."""
+    import torch
+
     staging = stage(root, step)
     write_models(staging)
     torch.save({**trainer_state, "step": step, "rng": rng_state()}, staging / TRAINER_STATE_FILE)
@@ -161,6 +167,8 @@ def save_checkpoint(root: str | Path, step: int, write_models: Callable[[Path], 
 
 
 def load_trainer_state(root: str | Path, step: int) -> dict:
+    import torch
+
     return torch.load(step_dir(root, step) / TRAINER_STATE_FILE, weights_only=False)
 
 

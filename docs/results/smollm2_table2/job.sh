@@ -39,6 +39,18 @@
 # timing (an ESTIMATE: ~1 minute a benchmark). off: no timing, every arm turn by turn and as soon as its sweep is
 # ready (Vanilla RL at once).
 #
+# Relay (docs/relay.md): runs longer than a lease, carried from lease to lease as LoRA adapters. DEADLINE (epoch
+# seconds by which every arm must have stopped with a checkpoint) turns it on; it needs GATE=off (a run resumes only
+# with the same settings, and the gate could choose others next time) and arms that save slim LoRA checkpoints
+# (ARMS_FILE, e.g. docs/results/smollm2_relay/arms.txt). The SFTs run with trainer.deterministic=true (the next lease
+# remakes them and resumes over them only if their weights are the same bytes); the sweeps continue runs (RESUME=1).
+# Once the SFTs are done, the runs carried in (RELAY_IN, default $WORK/relay_in: relay.json and its parts) are
+# unpacked where their sweeps continue them (SPA_agent.runs.relay checks the SFT's bytes first; a mismatch starts
+# the arms afresh and says so in progress.txt), and every arm gets trainer.max_wall_s so that it stops at
+# DEADLINE - MARGIN (default 150 s: the last step, a validation and the save). When the arms have stopped, their newest
+# checkpoints and records are packed into RELAY_OUT (default $WORK/relay_out), parts of 15 MiB that relay_collect.sh
+# hands out four a call.
+#
 # Settings for a CPU check of the plumbing: MODEL=tiny STEPS=2 TEST_FREQ=1, OVERRIDES (added to every arm's, e.g.
 # shorter answers), SFT_OVERRIDES (the sweep's), REPO (the tree, /tmp/repo), WORK (where results go, /tmp) and
 # GATE_ARGS (more arguments of the gate's step benchmark: --smoke on CPU, which times the tiny model instead).
@@ -59,10 +71,18 @@ case "$GATE" in pipeline|off) ;; *) echo "error: GATE must be pipeline or off, g
 case "${ARMS_PER_GPU:-3}" in
     ""|0|*[!0-9]*) echo "error: ARMS_PER_GPU takes a number >= 1, got '$ARMS_PER_GPU'" >&2; exit 2 ;;
 esac
-ALL="$(grep -v '^#' $HERE/arms.txt)"
+ARMS_FILE="${ARMS_FILE:-$HERE/arms.txt}"
+[ -f "$ARMS_FILE" ] || { echo "error: ARMS_FILE $ARMS_FILE does not exist" >&2; exit 2; }
+RELAY_IN="${RELAY_IN:-$WORK/relay_in}"; RELAY_OUT="${RELAY_OUT:-$WORK/relay_out}"; MARGIN="${MARGIN:-150}"
+if [ -n "${DEADLINE:-}" ]; then
+    case "$DEADLINE$MARGIN" in *[!0-9]*) echo "error: DEADLINE and MARGIN take whole seconds" >&2; exit 2 ;; esac
+    [ "$GATE" = off ] || { echo "error: a relay (DEADLINE) needs GATE=off: a run resumes only with the same settings" >&2; exit 2; }
+    export RESUME=1 SFT_OVERRIDES="${SFT_OVERRIDES:-} trainer.deterministic=true"
+fi
+ALL="$(grep -v '^#' "$ARMS_FILE")"
 if [ -n "${ARMS:-}" ]; then
     for name in $ARMS; do
-        grep -q "^$name " <<< "$ALL" || { echo "error: ARMS names '$name', not an arm of $HERE/arms.txt" >&2; exit 2; }
+        grep -q "^$name " <<< "$ALL" || { echo "error: ARMS names '$name', not an arm of $ARMS_FILE" >&2; exit 2; }
     done
     CHOSEN="$(grep -E "^($(echo $ARMS | tr ' ' '|')) " <<< "$ALL")"  # in the file's order
 elif [ "$N" -gt 0 ]; then
@@ -92,7 +112,7 @@ if [ -n "${GPU_IDS[wm]:-}" ] && [ -n "${GPU_IDS[nowm]:-}" ]; then
     done
 fi
 GATE_FILE="$WORK/gate.txt"; rm -f "$GATE_FILE" "$WORK"/table2_*/logs/ready  # none of an earlier job's
-WAIT_FOR=""; [ "$GATE" = pipeline ] && WAIT_FOR="$GATE_FILE"
+WAIT_FOR=""; { [ "$GATE" = pipeline ] || [ -n "${DEADLINE:-}" ]; } && WAIT_FOR="$GATE_FILE"
 declare -A SWEEP_PID
 for start in wm nowm base; do
     [ -n "${SETTINGS[$start]:-}" ] || continue
@@ -137,14 +157,40 @@ PY
 )"
 }
 
-if [ "$GATE" = pipeline ]; then
+# relay_in: the carried runs unpacked where their sweeps will continue them (nothing to do without RELAY_IN).
+relay_in() {
+    if [ ! -e "$RELAY_IN/relay.json" ]; then p "relay: nothing carried in ($RELAY_IN): every arm starts at step 0"; return; fi
+    if python -m SPA_agent.runs.relay unpack "$RELAY_IN" --root "$WORK" > "$O/relay_in.log" 2>&1; then
+        p "relay: carried in: $(tr '\n' ';' < "$O/relay_in.log")"
+    else
+        p "relay: NOT carried in, every arm starts at step 0: $(tail -n 1 "$O/relay_in.log")"
+    fi
+}
+
+if [ -n "$WAIT_FOR" ]; then
     for start in "${!SWEEP_PID[@]}"; do  # every sweep ready, or exited (a failed one must not hold the others)
         while [ ! -e "$WORK/table2_$start/logs/ready" ] && kill -0 "${SWEEP_PID[$start]}" 2>/dev/null; do sleep 1; done
     done
     p "gate: sweeps ready: $(cd "$WORK" && ls table2_*/logs/ready 2>/dev/null | cut -d/ -f1 | tr '\n' ' ')"
-    gate "$GATE_FILE.tmp"
+    if [ "$GATE" = pipeline ]; then gate "$GATE_FILE.tmp"; else : > "$GATE_FILE.tmp"; fi
+    if [ -n "${DEADLINE:-}" ]; then
+        relay_in
+        wall=$(( DEADLINE - $(date +%s) - MARGIN ))
+        echo "trainer.max_wall_s=$(( wall > 0 ? wall : 0 ))" >> "$GATE_FILE.tmp"
+    fi
     mv "$GATE_FILE.tmp" "$GATE_FILE"  # whole, so that no sweep reads half of it
-    p "gate: every arm's extra overrides: '$(cat "$GATE_FILE")'"
+    p "gate: every arm's extra overrides: '$(tr '\n' ' ' < "$GATE_FILE")'"
 fi
 wait
 p "sweeps done"
+if [ -n "${DEADLINE:-}" ]; then  # every run with a checkpoint, for the next lease
+    runs=$(cd "$WORK" && for run in table2_*/ppo/_2_sokoban/*/; do
+        [ -e "$run/latest_checkpointed_iteration.txt" ] && echo "${run%/}"; done)
+    # shellcheck disable=SC2086
+    if [ -n "$runs" ] && python -m SPA_agent.runs.relay pack --root "$WORK" --out "$RELAY_OUT" $runs \
+            > "$O/relay_out.log" 2>&1; then
+        p "relay: packed: $(tr '\n' ';' < "$O/relay_out.log")"
+    else
+        p "relay: nothing packed: $(tail -n 1 "$O/relay_out.log" 2>/dev/null || echo no run has a checkpoint)"
+    fi
+fi
