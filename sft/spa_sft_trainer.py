@@ -420,6 +420,7 @@ class SftTrainer:
     def train_step(self, indices: list[int]) -> dict[str, float]:
         """One optimizer step on the global batch `indices`; returns the step's metrics."""
         start = time.perf_counter()
+        self.model.train()  # from_pretrained leaves eval mode, in which gradient checkpointing never recomputes
         plan = self._plan(indices, self.train_data)
         batches = [[self._collate(m, self.train_data) for m in rank_plan] for rank_plan in plan]
         n_loss = sum(count_loss_tokens(b) for rank_batches in batches for b in rank_batches)
@@ -456,6 +457,7 @@ class SftTrainer:
     @torch.no_grad()
     def validate(self) -> float:
         """Mean token loss over the whole validation set (all ranks)."""
+        self.model.eval()
         indices = list(range(len(self.val_data)))
         plan = self._plan(indices, self.val_data)
         totals = torch.zeros(2, device=self.device, dtype=torch.float64)

@@ -228,3 +228,24 @@ def test_only_rank_0_refuses_a_locked_directory(data_dir, tmp_path):
             trainers[0]._check_output_dir()
     finally:
         holder.communicate("")
+
+
+def test_steps_train_in_training_mode_so_gradient_checkpointing_recomputes(data_dir, tmp_path):
+    """A training step runs the model in training mode (from_pretrained leaves eval mode, where transformers skips
+    gradient checkpointing): with model.enable_gradient_checkpointing=true each decoder layer runs twice a micro-batch
+    (forward, then again in the backward); validation runs in eval mode, once a micro-batch."""
+    trainer = SftTrainer(compose(overrides(data_dir, tmp_path, "model.enable_gradient_checkpointing=true")))
+    try:
+        trainer.setup()
+        seen = []
+        layer = trainer.model.model.layers[0]
+        # a pre-hook: the backward's recomputation stops once it has what it needs, before a forward hook would run
+        layer.register_forward_pre_hook(lambda module, args: seen.append(module.training))
+        micro_batches = sum(len(rank_plan) for rank_plan in trainer._plan(list(range(4)), trainer.train_data))
+        trainer.train_step(list(range(4)))
+        assert seen == [True] * (2 * micro_batches)
+        seen.clear()
+        trainer.validate()
+        assert seen and not any(seen)
+    finally:
+        trainer.cleanup()
