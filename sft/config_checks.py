@@ -26,7 +26,8 @@ def check_sft_config(cfg: DictConfig, world_size: int = 1) -> None:
     (the data-dependent checks, rows against the batch size, come when the data is read)."""
     check_numbers(cfg, NUMBERS)
     data = cfg.data
-    for key in ("data.packing", "data.require_data_card", "model.use_liger", "model.enable_gradient_checkpointing"):
+    for key in ("data.packing", "data.require_data_card", "model.use_liger", "model.enable_gradient_checkpointing",
+                "trainer.deterministic"):
         if not isinstance(value := OmegaConf.select(cfg, key), bool):
             raise ValueError(f"{key} must be true or false, got {value!r}")
     if data.pad_packed_to_multiple != "auto":

@@ -168,3 +168,11 @@ def test_gpu_deterministic_sft_writes_identical_weights_and_losses(tmp_path, cle
     print(f"\nwithout trainer.deterministic: {len(changed)} of {len(weights_a)} tensors differ (largest difference "
           f"{largest:.3g}); losses {'equal' if losses_c == losses_a else 'differ'}: {losses_a} vs {losses_c}")
 
+
+
+def test_the_pipelines_early_check_refuses_a_non_boolean_switch():
+    """run_spa.sh and the sweeps check SFT settings before stage 1 (SPA_agent/pipeline_check.py) with this function."""
+    from sft.config_checks import check_sft_config
+
+    with pytest.raises(ValueError, match="trainer.deterministic must be true or false, got 'yes'"):
+        check_sft_config(compose(["trainer.deterministic=yes", "data.train_files=x.parquet"]))
