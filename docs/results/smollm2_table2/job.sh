@@ -43,7 +43,8 @@
 # seconds by which every arm must have stopped with a checkpoint) turns it on; it needs GATE=off (a run resumes only
 # with the same settings, and the gate could choose others next time) and arms that save slim LoRA checkpoints
 # (ARMS_FILE, e.g. docs/results/smollm2_relay/arms.txt). The SFTs run with trainer.deterministic=true (the next lease
-# remakes them and resumes over them only if their weights are the same bytes); the sweeps continue runs (RESUME=1).
+# remakes them and resumes over them only if their weights are the same bytes), after the GPU test of that
+# (tests/sft/test_sft_determinism.py; if it fails, without the switch); the sweeps continue runs (RESUME=1).
 # Once the SFTs are done, the runs carried in (RELAY_IN, default $WORK/relay_in: relay.json and its parts) are
 # unpacked where their sweeps continue them (SPA_agent.runs.relay checks the SFT's bytes first; a mismatch starts
 # the arms afresh and says so in progress.txt), and every arm gets trainer.max_wall_s so that it stops at
@@ -94,6 +95,15 @@ COUNT=$(grep -c . <<< "$CHOSEN")
 threads=$(( $(nproc) / (COUNT + 2) )); export OMP_NUM_THREADS=$(( threads > 0 ? threads : 1 ))  # arms + 2 SFTs
 p "gpus=$N arms=$(cut -d' ' -f1 <<< "$CHOSEN" | tr '\n' ' ')OMP_NUM_THREADS=$OMP_NUM_THREADS"
 if [ "$MODEL" = smollm2-135m ]; then python -m SPA_agent.smollm2 > "$O/convert.log" 2>&1; p "convert rc=$?"; fi
+if [ -n "${DEADLINE:-}" ] && [ "$N" -gt 0 ]; then  # a relay's SFTs must repeat bit for bit: first see that they do here
+    python -m pytest -q -s -p no:cacheprovider tests/sft/test_sft_determinism.py -k gpu > "$O/determinism.log" 2>&1
+    if grep -q "1 passed" "$O/determinism.log"; then
+        p "relay: the deterministic SFT repeats on this GPU: $(grep -h -e '^without' -e '^step seconds' "$O/determinism.log" | tr '\n' ' ')"
+    else
+        SFT_OVERRIDES="${SFT_OVERRIDES% trainer.deterministic=true}"
+        p "relay: the deterministic SFT did NOT repeat or failed on this GPU (out/determinism.log): SFTs without the switch, so no run of this lease can be continued"
+    fi
+fi
 
 # One sweep per start: its arms' lines ("<name> <overrides>") and their GPUs, in priority order.
 i=0
