@@ -170,7 +170,7 @@ RELAY_SWEEP_STUB = """#!/usr/bin/env bash
 # run: carried in (its step recorded) or new, with a checkpoint of one more step
 mkdir -p "$OUT/logs" "$OUT/sft/global_step_2"
 printf '%s' "${SFT_BYTES:-same}" > "$OUT/sft/global_step_2/model.safetensors"
-echo "$RESUME $SFT_OVERRIDES" > "$OUT/logs/resume_and_sft"
+echo "$RESUME $SAVE_FREQ $SFT_OVERRIDES" > "$OUT/logs/resume_and_sft"
 echo "$OUT/sft/global_step_2" > "$OUT/logs/ready"
 while [ ! -e "$WAIT_FOR" ]; do sleep 0.1; done
 cp "$WAIT_FOR" "$OUT/logs/gate_seen"
@@ -216,7 +216,7 @@ def test_a_relay_lease_packs_its_runs_and_the_next_continues_them_over_the_same_
     for start, name in (("wm", "spa_lora"), ("nowm", "format_lora")):
         logs = work / f"table2_{start}" / "logs"
         assert (logs / f"{name}.found_step").read_text() == "0\n"
-        assert (logs / "resume_and_sft").read_text().split() == ["1", "trainer.deterministic=true"]
+        assert (logs / "resume_and_sft").read_text().split() == ["1", "25", "trainer.deterministic=true"]
         gate = (logs / "gate_seen").read_text().split()
         assert len(gate) == 1 and 840 <= int(gate[0].removeprefix("trainer.max_wall_s=")) <= 850  # 1000 s - 150
     assert "relay: packed" in progress and (work / "relay_out" / "relay.json").exists()

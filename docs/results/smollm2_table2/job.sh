@@ -121,6 +121,8 @@ if [ -n "${GPU_IDS[wm]:-}" ] && [ -n "${GPU_IDS[nowm]:-}" ]; then
         if [ "${ids[$k]}" != "${GPU_IDS[wm]%% *}" ]; then GPU_IDS[nowm]="${ids[*]:$k} ${ids[*]:0:$k}"; break; fi
     done
 fi
+# Checkpoints only at the end (nothing returns them), but every validation in a relay: an arm that fails has one to carry.
+SAVE_FREQ=0; [ -n "${DEADLINE:-}" ] && SAVE_FREQ="${TEST_FREQ:-25}"
 GATE_FILE="$WORK/gate.txt"; rm -f "$GATE_FILE" "$WORK"/table2_*/logs/ready  # none of an earlier job's
 WAIT_FOR=""; { [ "$GATE" = pipeline ] || [ -n "${DEADLINE:-}" ]; } && WAIT_FOR="$GATE_FILE"
 declare -A SWEEP_PID
@@ -129,7 +131,7 @@ for start in wm nowm base; do
     p "sweep $start on GPUs ${GPU_IDS[$start]:-none}: $(cut -d' ' -f1 <<< "${SETTINGS[$start]%$'\n'}" | tr '\n' ' ')"
     (
         START=$start GENERATOR=random MODE=base STEPS="${STEPS:-300}" TEST_FREQ="${TEST_FREQ:-25}" VAL_SAMPLES=4 \
-            SAVE_FREQ=0 GPU_IDS="${GPU_IDS[$start]:-}" OUT="$WORK/table2_$start" SETTINGS="${SETTINGS[$start]%$'\n'}" \
+            SAVE_FREQ="$SAVE_FREQ" GPU_IDS="${GPU_IDS[$start]:-}" OUT="$WORK/table2_$start" SETTINGS="${SETTINGS[$start]%$'\n'}" \
             WAIT_FOR="$WAIT_FOR" bash benchmarks/smollm2_sweep.sh > "$O/sweep_$start.out" 2>&1
         p "sweep $start rc=$?"
     ) &
