@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import io
 import json
+import shutil
 import sys
 import tarfile
-from collections.abc import Iterator, Sequence
+import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -65,6 +66,13 @@ def model_files_sha256(model_dir: str) -> dict[str, str]:
             if p.is_file() and p.name not in MODEL_FILES_SKIPPED}
 
 
+def _hashed_once(hashed: dict[str, dict[str, str]], model: str) -> dict[str, str]:
+    """`model_files_sha256(model)`, computed once per call of pack or unpack (arms share their SFT checkpoint)."""
+    if model not in hashed:
+        hashed[model] = model_files_sha256(model)
+    return hashed[model]
+
+
 def starting_models(run_dir: Path) -> list[str]:
     """The distinct starting-model directories of a PPO run, from its config.yaml."""
     config = OmegaConf.load(run_dir / "config.yaml")
@@ -89,31 +97,33 @@ def pack(root: Path, runs: Sequence[str], out: Path, part_mib: float) -> dict:
     """Write the parts and the manifest of `runs` (directories relative to `root`) into `out`; the manifest."""
     if part_mib <= 0:
         raise RelayError(f"--part-mib must be positive, got {part_mib}")
+    entries, files, hashed = [], [], {}
+    for run in runs:
+        step, run_files = _run_files(root, run)
+        models = {model: _hashed_once(hashed, model) for model in starting_models(root / run)}
+        entries.append({"run": run, "step": step, "models": models})
+        files += run_files
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob(f"{PART_PREFIX}*"):
         stale.unlink()
-    entries, files = [], []
-    for run in runs:
-        step, run_files = _run_files(root, run)
-        models = {model: model_files_sha256(model) for model in starting_models(root / run)}
-        entries.append({"run": run, "step": step, "models": models})
-        files += run_files
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w") as tar:
-        for name in files:
-            tar.add(root / name, arcname=name.as_posix(), recursive=False)
-    data, size = buffer.getvalue(), int(part_mib * 2**20)
-    parts = []
-    for index, start in enumerate(range(0, len(data), size)):
-        part = out / f"{PART_PREFIX}{index:03d}"
-        part.write_bytes(data[start:start + size])
-        parts.append({"name": part.name, "bytes": part.stat().st_size, "sha256": file_sha256(part)})
-    manifest = {"runs": entries, "parts": parts, "bytes": len(data)}
+    size, parts = int(part_mib * 2**20), []
+    with tempfile.TemporaryFile() as stream:  # the tar on disk, then cut: a run's checkpoint may not fit in memory
+        with tarfile.open(fileobj=stream, mode="w") as tar:
+            for name in files:
+                tar.add(root / name, arcname=name.as_posix(), recursive=False)
+        total = stream.tell()
+        stream.seek(0)
+        while data := stream.read(size):
+            part = out / f"{PART_PREFIX}{len(parts):03d}"
+            part.write_bytes(data)
+            parts.append({"name": part.name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+    manifest = {"runs": entries, "parts": parts, "bytes": total}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 
 
-def _read_parts(parts_dir: Path, manifest: dict) -> Iterator[bytes]:
+def _checked_parts(parts_dir: Path, manifest: dict) -> list[Path]:
+    paths = []
     for part in manifest["parts"]:
         path = parts_dir / part["name"]
         if not path.is_file():
@@ -121,7 +131,8 @@ def _read_parts(parts_dir: Path, manifest: dict) -> Iterator[bytes]:
                              f"({len(manifest['parts'])} parts in {MANIFEST})")
         if file_sha256(path) != part["sha256"]:
             raise RelayError(f"part {path} is damaged (its sha256 differs from {MANIFEST}'s); carry it again")
-        yield path.read_bytes()
+        paths.append(path)
+    return paths
 
 
 def unpack(parts_dir: Path, root: Path) -> list[dict]:
@@ -130,10 +141,10 @@ def unpack(parts_dir: Path, root: Path) -> list[dict]:
     if not manifest_path.is_file():
         raise RelayError(f"{parts_dir} holds no {MANIFEST}: nothing was packed there")
     manifest = json.loads(manifest_path.read_text())
-    data = b"".join(_read_parts(parts_dir, manifest))
+    parts, hashed = _checked_parts(parts_dir, manifest), {}
     for entry in manifest["runs"]:
         for model, expected in entry["models"].items():
-            here = model_files_sha256(model)
+            here = _hashed_once(hashed, model)
             if here != expected:
                 differ = sorted(name for name in expected.keys() | here.keys() if expected.get(name) != here.get(name))
                 raise RelayError(f"{entry['run']} began from other weights than {model} holds here (differing: "
@@ -143,8 +154,13 @@ def unpack(parts_dir: Path, root: Path) -> list[dict]:
         run_dir = root / entry["run"]
         if run_dir.exists() and any(run_dir.iterdir()):
             raise RelayError(f"{run_dir} exists and is not empty: move it away to unpack the carried run there")
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
-        tar.extractall(root, filter="data")
+    with tempfile.TemporaryFile() as stream:
+        for part in parts:
+            with open(part, "rb") as f:
+                shutil.copyfileobj(f, stream, CHUNK)
+        stream.seek(0)
+        with tarfile.open(fileobj=stream, mode="r") as tar:
+            tar.extractall(root, filter="data")
     return manifest["runs"]
 
 
