@@ -43,6 +43,11 @@ def check_sft_config(cfg: DictConfig, world_size: int = 1) -> None:
         raise ValueError(f"trainer.fsdp must be auto, true or false, got {fsdp!r}")
     if fsdp is False and world_size > 1:
         raise ValueError(f"trainer.fsdp=false trains one rank only, got {world_size} ranks (use auto or true)")
+    preflight = OmegaConf.select(cfg, "trainer.preflight_nproc")
+    if OmegaConf.select(cfg, "trainer.log_file") is not None and (preflight is not None or world_size > 1):
+        raise ValueError("trainer.log_file checks and then trains in one process, without torchrun; got "
+                         + (f"trainer.preflight_nproc={preflight} (only checks)" if preflight is not None
+                            else f"{world_size} ranks"))
     check_batch_sizes(cfg, world_size)
 
 

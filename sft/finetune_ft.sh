@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Stage 2 (world-model SFT, spec §2.4): torchrun over <nproc_per_node> ranks (GPUs with NCCL, or CPU processes
-# with gloo when CUDA is absent), the paper's recipe, extra Hydra overrides last.
+# with gloo when CUDA is absent), or one process without torchrun for one rank; the paper's recipe, extra Hydra
+# overrides last.
 #   bash sft/finetune_ft.sh sokoban 4 sftckpt/checkpoints_2_sokoban-1.5B sftdata/_2_sokoban 1.5B
 #   bash sft/finetune_ft.sh sokoban 1 /tmp/sft-tiny sftdata/tiny tiny trainer.total_epochs=1
 # A run starts fresh in <save_path>; RESUME=1 continues a run there with the same settings, data and model.
@@ -42,7 +43,8 @@ stage="$("$python" -m SPA_agent.stages sft --env-type="$env_type" --nproc="$npro
     --data-dir="$data_path" --model-size="$model_size" --resume="$resume" "${check_data[@]}" -- "$@")" || exit 2
 mapfile -t stage_args <<< "$stage"
 
-if "$python" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+# One rank fits any machine with CUDA: the check (a Python start with torch) runs for several only.
+if (( nproc_per_node > 1 )) && "$python" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     if [[ -n "${CUDA_VISIBLE_DEVICES:-}" ]]; then
         IFS=',' read -ra visible <<< "$CUDA_VISIBLE_DEVICES"
         n_gpus=${#visible[@]}
@@ -60,6 +62,25 @@ fi
 if [[ -n "${SPA_PRINT_STAGE:-}" ]]; then
     printf '%s\n' "${stage_args[@]}" trainer.preflight_nproc="$nproc_per_node"
     exit 0
+fi
+
+# One rank: one process, no torchrun. It checks the config and data as the preflight below does (a user error is one
+# line, status 2, nothing written), then takes the lock of <save_path>, copies its output to train.log from there on
+# (trainer.log_file, SPA_agent/runs/tee.py) and trains on the data it checked: one start of Python with torch instead
+# of four, no reload of the data (benchmarks/RESULTS.md, "SFT start-up on CPU"). Ctrl-C is its own one line and
+# status 130; killed by signal n, it ends with status 128 + n and, as sft.launch says of a rank, one line.
+if (( nproc_per_node == 1 )); then
+    status=0
+    # (stderr is the trainer's only: bash's own report of a killed command, "line N: PID Killed ...", is not)
+    { "$python" -u "${stage_args[@]}" trainer.log_file="$save_path/train.log" 2>&3 3>&-; } 3>&2 2>/dev/null \
+        || status=$?
+    if (( status > 128 && status != 130 )); then
+        line="$("$python" -c 'import sys; from sft.launch import killed_line; print(killed_line("SFT", int(sys.argv[1])))' \
+            "$((status - 128))")"
+        echo "$line" >&2
+        [[ -f "$save_path/train.log" ]] && echo "$line" >> "$save_path/train.log"
+    fi
+    exit "$status"
 fi
 # Check the config and data in one process first: a user error prints one line and exits with status 2. The data it
 # tokenizes goes to the ranks through a temporary directory (sft/spa_sft_dataset.py, tokenized_dataset), removed on

@@ -43,9 +43,14 @@ def rank_failure(err: ChildFailedError) -> int:
         if code != 2:  # 2: the rank printed its own one-line error
             print(f"error: SFT rank {rank} exited with status {code}; its output is above", file=sys.stderr)
         return code
-    hint = " (the kernel's out-of-memory killer? lower data.max_tokens_per_micro_batch)" if code == -9 else ""
-    print(f"error: SFT rank {rank} was killed by signal {-code}{hint}", file=sys.stderr)
+    print(killed_line(f"SFT rank {rank}", -code), file=sys.stderr)
     return 128 - code
+
+
+def killed_line(who: str, signum: int) -> str:
+    """The one line for `who` (an SFT rank, or finetune_ft.sh's one process) killed by signal `signum`."""
+    hint = " (the kernel's out-of-memory killer? lower data.max_tokens_per_micro_batch)" if signum == 9 else ""
+    return f"error: {who} was killed by signal {signum}{hint}"
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ from SPA_agent.runs.dir_lock import HOLDER_ENV, DirLock, adopt_locks_of, check_u
 from SPA_agent.runs.lora import add_lora
 from SPA_agent.runs.metrics_logger import MetricsLogger
 from SPA_agent.runs.progress import BackgroundHeartbeat, progress_bar, quiet_library_progress
+from SPA_agent.runs.tee import tee_this_process
 from SPA_agent.runs.trainer_dir import TrainerDir
 from SPA_agent.selfplay.data_card import check_dataset_complete, check_dataset_config
 
@@ -71,7 +72,7 @@ RUN_DIR = TrainerDir.declare(
     owned=("sft_config.yaml", TRUNCATION_FILE),
     ignored=("data.train_files", "data.val_files", "data.require_data_card", "data.config_name",
              "model.partial_pretrain", "model.use_liger", "trainer.resume", "trainer.max_ckpt_to_keep",
-             "trainer.preflight_nproc", "trainer.wandb_mode"),
+             "trainer.preflight_nproc", "trainer.log_file", "trainer.wandb_mode"),
     fresh_hint="pass trainer.resume=disable")
 #: trainer.deterministic's environment, set before any CUDA work: cuBLAS's fixed workspace (read when cuBLAS first
 #: runs; one of the values PyTorch's deterministic mode accepts, the first unless another is set) and flash-attn's
@@ -178,6 +179,8 @@ class SftTrainer:
         self.init_method = init_method or f"tcp://127.0.0.1:{get_free_port()}"
         self.out_dir = Path(cfg.trainer.default_local_dir)
         self.global_step = 0
+        self.train_data: SpaSftDataset | None = None  # built by preflight() or setup()
+        self.lock: DirLock | None = None  # the output directory's, held by rank 0 (the writer)
         self.heartbeat = BackgroundHeartbeat("sft: loading data and model", disable=rank != 0)
         self.process_settings = contextlib.ExitStack()  # what setup changes in the process; cleanup restores it
 
@@ -202,14 +205,15 @@ class SftTrainer:
         if self.deterministic:
             self.process_settings.enter_context(deterministic_torch())
         self.model_path = resolve_model_path(self.cfg.model.partial_pretrain)
-        self._build_data()
+        if self.train_data is None:  # else preflight() built it in this process (finetune_ft.sh with one rank)
+            self._build_data()
         resume = self._check_output_dir()
         self._init_distributed()
         torch.manual_seed(self.cfg.trainer.seed)
         self._build_model()
         self._build_optimizer()
         if self.rank == 0:
-            self.lock = DirLock(self.out_dir).acquire()
+            self.lock_output_dir()
             if not resume:
                 RUN_DIR.reset(self.out_dir, self.identity)
         dist.barrier()
@@ -226,6 +230,11 @@ class SftTrainer:
                                          OmegaConf.to_container(self.cfg) | {"truncation": truncation},
                                          mode=self.cfg.trainer.get("wandb_mode", "offline"), dir=str(self.out_dir))
             self.metrics.truncate_after(resumed)
+
+    def lock_output_dir(self) -> None:
+        """Take the output directory's lock (a no-op when held): the run's first write into it."""
+        if self.lock is None:
+            self.lock = DirLock(self.out_dir).acquire()
 
     def _check_output_dir(self) -> bool:
         """Whether to continue the run in the output directory (read-only): a live writer, or a run of other
@@ -535,7 +544,7 @@ class SftTrainer:
         self.process_settings.close()
         if self.rank == 0 and hasattr(self, "metrics"):
             self.metrics.close()
-        if hasattr(self, "lock"):
+        if self.lock is not None:
             self.lock.release()
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -543,7 +552,9 @@ class SftTrainer:
 
 @hydra_entry(Path(__file__).resolve().parent / "config", config_name="sft_trainer")
 def main(cfg: DictConfig) -> None:
-    """Entry point: reads torchrun's RANK/WORLD_SIZE/LOCAL_RANK; user errors exit with status 2."""
+    """Entry point: reads torchrun's RANK/WORLD_SIZE/LOCAL_RANK; user errors exit with status 2. With
+    trainer.log_file (sft/finetune_ft.sh with one rank, no torchrun), this one process runs the preflight's checks,
+    then takes the output directory's lock, copies its output to the log from there on, and trains."""
     die_with_launcher()
     if HOLDER_ENV in os.environ:  # sft/finetune_ft.sh took the output directory's lock for this run
         adopt_locks_of(int(os.environ[HOLDER_ENV]))
@@ -552,19 +563,25 @@ def main(cfg: DictConfig) -> None:
     init_method = "env://" if "MASTER_ADDR" in os.environ else None
     with open_dict(cfg):
         cfg.trainer.wandb_mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
-    preflight = cfg.trainer.get("preflight_nproc")
+    preflight, log_file = cfg.trainer.get("preflight_nproc"), cfg.trainer.get("log_file")
     use_persistent_compile_cache()
     quiet_library_progress()
     trainer = SftTrainer(cfg, rank, preflight or world, local_rank, init_method)
+    checking = bool(preflight or log_file)  # nothing written yet: only the checks ran
     try:
-        if preflight:
+        if checking:
             trainer.preflight()
+        if preflight:
             return
+        if log_file:
+            trainer.lock_output_dir()
+            checking = False
+            tee_this_process(Path(log_file), append=cfg.trainer.resume == "auto")
         trainer.setup()
         trainer.train()
     except KeyboardInterrupt:  # Ctrl-C; under torchrun, the launcher forwards it to every rank (sft/launch.py)
         if rank == 0:
-            print(f"interrupted: {trainer.interrupted(bool(preflight))}", file=sys.stderr, flush=True)
+            print(f"interrupted: {trainer.interrupted(checking)}", file=sys.stderr, flush=True)
         trainer.cleanup()
         sys.exit(EXIT_INTERRUPTED)
     except (ValueError, FileNotFoundError) as error:

@@ -164,7 +164,8 @@ def test_a_truncated_safetensors_file_is_one_line_in_every_stage(monkeypatch, ca
 # --- 8: two SFT runs into one directory -----------------------------------------------------------------------------
 def test_a_second_sft_run_into_a_locked_directory_stops_before_writing_its_log(datasets, tmp_path):
     """Run B passed the pre-check just before run A took the lock (issue 44: two runs started 1 s apart): B must stop
-    at the lock, in one line, and leave A's train.log alone."""
+    at the lock, in one line, and leave A's train.log alone. Two ranks: the pre-check is a process of its own there,
+    then locked_run takes the lock (one rank checks and locks in one process: tests/sft/test_one_rank_launch.py)."""
     from SPA_agent.runs.dir_lock import DirLock
 
     out = tmp_path / "sft"
@@ -175,7 +176,7 @@ def test_a_second_sft_run_into_a_locked_directory_stops_before_writing_its_log(d
         passed_precheck.write_text("#!/bin/bash\nfor a in \"$@\"; do [[ $a == trainer.preflight_nproc=* ]] && exit 0; "
                                    f"done\nexec {sys.executable} \"$@\"\n")
         passed_precheck.chmod(0o755)
-        result = script("sft/finetune_ft.sh", "_2_sokoban", "1", str(out), str(datasets / "_2_sokoban"), "tiny",
+        result = script("sft/finetune_ft.sh", "_2_sokoban", "2", str(out), str(datasets / "_2_sokoban"), "tiny",
                         env={"PYTHON": str(passed_precheck)})
         assert_one_line(result, f"{out} is in use by pid {os.getpid()}")
         assert (out / "train.log").read_text() == "run A's log\n"
