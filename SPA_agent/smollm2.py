@@ -23,7 +23,6 @@ returns is marked as quantized, so `save_pretrained` refuses it until it is rebu
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.util
 import os
 import queue
@@ -58,11 +57,10 @@ class ModelUnavailableError(FileNotFoundError):
 
 
 def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    """The file's sha256 (imported here: run_identity brings pyarrow, which resolving a preset does not need)."""
+    from SPA_agent.runs.run_identity import file_sha256
+
+    return file_sha256(path)
 
 
 def _packaged_gguf() -> Path | None:

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from SPA_agent.runs.dir_lock import HOLDER_ENV, DirLock
+from SPA_agent.runs.tee import copy
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -45,11 +46,7 @@ def run_teed(command: list[str], log: Path, append: bool) -> int:
         signal.signal(signal.SIGTERM, forward)
         signal.signal(signal.SIGHUP, forward)
         signal.signal(signal.SIGINT, lambda signum, frame: None)  # the terminal sends it to the command as well
-        for chunk in iter(lambda: proc.stdout.read1(1 << 16), b""):
-            sys.stdout.buffer.write(chunk)
-            sys.stdout.buffer.flush()
-            log_file.write(chunk)
-            log_file.flush()
+        copy(proc.stdout, log_file)
         code = proc.wait()
     return 128 - code if code < 0 else code
 

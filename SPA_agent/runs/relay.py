@@ -31,7 +31,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from SPA_agent.runs import checkpoints
-from SPA_agent.runs.run_identity import IDENTITY_FILE, MODEL_FILES_SKIPPED
+from SPA_agent.runs.run_identity import IDENTITY_FILE, file_sha256, model_files
 
 MANIFEST = "relay.json"
 PART_PREFIX = "relay.tar."
@@ -39,19 +39,10 @@ PART_PREFIX = "relay.tar."
 RECORD_FILES = (IDENTITY_FILE, "metrics.jsonl", "config.yaml", checkpoints.LATEST_FILE)
 #: the config keys of a PPO run's starting models
 MODEL_KEYS = ("actor_rollout_ref.model.path", "critic.model.path")
-CHUNK = 2**20
 
 
 class RelayError(ValueError):
     """A user-facing problem with the runs or the parts (one line, exit status 2)."""
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(CHUNK):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def model_files_sha256(model_dir: str) -> dict[str, str]:
@@ -62,8 +53,7 @@ def model_files_sha256(model_dir: str) -> dict[str, str]:
     path = Path(resolve_model_path(model_dir))
     if not path.is_dir():
         raise RelayError(f"the starting model {model_dir} is not a directory here")
-    return {p.name: file_sha256(p) for p in sorted(path.iterdir())
-            if p.is_file() and p.name not in MODEL_FILES_SKIPPED}
+    return {p.name: file_sha256(p) for p in model_files(path)}
 
 
 def _hashed_once(hashed: dict[str, dict[str, str]], model: str) -> dict[str, str]:
@@ -157,7 +147,7 @@ def unpack(parts_dir: Path, root: Path) -> list[dict]:
     with tempfile.TemporaryFile() as stream:
         for part in parts:
             with open(part, "rb") as f:
-                shutil.copyfileobj(f, stream, CHUNK)
+                shutil.copyfileobj(f, stream)
         stream.seek(0)
         with tarfile.open(fileobj=stream, mode="r") as tar:
             tar.extractall(root, filter="data")

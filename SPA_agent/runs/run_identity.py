@@ -99,19 +99,26 @@ def git_commit() -> str | None:
 
 
 # --- checksums ----------------------------------------------------------------------------------------
+def file_sha256(path: Path) -> str:
+    """sha256 of the whole file."""
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        for block in iter(lambda: f.read(2**20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def file_checksum(path: Path) -> str:
     """sha256 of the file; above FULL_HASH_LIMIT, of its size and first and last SAMPLE_BYTES (model weights)."""
-    path, digest = Path(path), hashlib.sha256()
+    path = Path(path)
     size = path.stat().st_size
+    if size <= FULL_HASH_LIMIT:
+        return file_sha256(path)
+    digest = hashlib.sha256(str(size).encode())
     with path.open("rb") as f:
-        if size <= FULL_HASH_LIMIT:
-            for block in iter(lambda: f.read(2**20), b""):
-                digest.update(block)
-        else:
-            digest.update(str(size).encode())
-            digest.update(f.read(SAMPLE_BYTES))
-            f.seek(size - SAMPLE_BYTES)
-            digest.update(f.read(SAMPLE_BYTES))
+        digest.update(f.read(SAMPLE_BYTES))
+        f.seek(size - SAMPLE_BYTES)
+        digest.update(f.read(SAMPLE_BYTES))
     return digest.hexdigest()
 
 
@@ -123,6 +130,12 @@ def files_checksum(paths: Iterable[Path]) -> str:
     return digest.hexdigest()
 
 
+def model_files(path: Path) -> list[Path]:
+    """The top-level files of a local model directory that make the model (weights, config, tokenizer; not the
+    optimizer state of a checkpoint), by name."""
+    return sorted(p for p in Path(path).iterdir() if p.is_file() and p.name not in MODEL_FILES_SKIPPED)
+
+
 def model_checksum(model_path: str) -> str:
     """`sha256:<hex>` over the top-level files of a local model directory (weights, config, tokenizer; not the
     optimizer state of a checkpoint), or `hub:<id>` for a Hub id that is not a local directory."""
@@ -131,9 +144,8 @@ def model_checksum(model_path: str) -> str:
     path = Path(resolve_model_path(str(model_path)))
     if not path.is_dir():
         return f"hub:{model_path}"
-    files = sorted(p for p in path.iterdir() if p.is_file() and p.name not in MODEL_FILES_SKIPPED)
     digest = hashlib.sha256()
-    for file in files:
+    for file in model_files(path):
         digest.update(f"{file.name}:{file_checksum(file)}\n".encode())
     return f"sha256:{digest.hexdigest()}"
 

@@ -7,7 +7,8 @@ W + (lora_alpha / lora_rank) · B A, computed without touching W (`merged_state_
 
 Checkpoint of a LoRA role (`global_step_N/<role>/`): the merged Hugging Face model (what evaluation loads),
 `adapter/` (PEFT's `save_pretrained`: the adapters and the critic's value head) and the optimizer state; with
-trainer.save_merged_lora=False only the last two, a few MB (docs/relay.md). Resuming rebuilds the base model from `<role>.model.path` and loads `adapter/` into it.
+trainer.save_merged_lora=False only the last two, a few MB (docs/relay.md). Resuming rebuilds the base model from
+`<role>.model.path` and loads `adapter/` into it.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def save_merged(model: nn.Module, directory: Path) -> None:
         model.save_pretrained(directory)
         return
     model.get_base_model().save_pretrained(directory, state_dict=merged_state_dict(model))
-    model.save_pretrained(Path(directory) / ADAPTER_DIR)
+    save_adapter(model, directory)
 
 
 def save_adapter(model: nn.Module, directory: Path) -> None:
