@@ -22,6 +22,8 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 THINK_OPEN = "<think>"
 OBS_PLACEHOLDER = "<obs_content>"
 PRED_PLACEHOLDER = "<pred_content>"
@@ -146,17 +148,22 @@ def build_text(tokenizer, messages: Sequence[dict], response: str, loss_target: 
     return SftText(render_prompt(tokenizer, messages, prefix), body + eot, spans)
 
 
-def token_loss_mask(offsets: Sequence[Span], spans: Sequence[Span]) -> list[int]:
-    """1 for each token (given by its [start, end) character offsets) that overlaps a trained span."""
-    return [int(any(s < span_end and e > span_start for span_start, span_end in spans)) for s, e in offsets]
+def token_loss_mask(offsets: np.ndarray, spans: Sequence[Span]) -> np.ndarray:
+    """(T,) int64: 1 for each token that overlaps a trained span; offsets: (T, 2) [start, end) characters of each
+    token."""
+    spans = np.asarray(spans, dtype=np.int64).reshape(-1, 1, 2)
+    overlaps = (offsets[:, 0] < spans[..., 1]) & (offsets[:, 1] > spans[..., 0])  # (spans, T)
+    return overlaps.any(axis=0).astype(np.int64)
 
 
-def released_off_by_one(input_ids: Sequence[int], loss_mask: list[int], placeholder_ids: set[int]) -> list[int]:
+def released_off_by_one(input_ids: np.ndarray, loss_mask: np.ndarray, placeholder_ids: set[int]) -> np.ndarray:
     """§9.2: the released trainer drops the loss of the token *after* each placeholder (not the placeholder).
 
     input_ids, loss_mask: (T,) for the whole sequence; returns a new (T,) mask.
     """
-    return [0 if i > 0 and input_ids[i - 1] in placeholder_ids else m for i, m in enumerate(loss_mask)]
+    mask = loss_mask.copy()
+    mask[1:][np.isin(input_ids[:-1], list(placeholder_ids))] = 0
+    return mask
 
 
 def prepare_tokenizer(tokenizer, loss_target: LossTarget) -> int:

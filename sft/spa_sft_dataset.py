@@ -3,7 +3,7 @@
 Each row has `prompt` (list<struct<content, role>>: the chat up to the assistant turn) and `response` (the
 assistant message); other columns (ours or the released data's) are ignored. Rows are rendered by
 `sft.loss_targets.build_text` (the one place that decides which tokens train), tokenized once at
-construction, and truncated with masks kept aligned to ids (fixing spec §12.15). What truncation removed is
+construction (all rows at once: `sft.batch_encode`), and truncated with masks kept aligned to ids (fixing spec §12.15). What truncation removed is
 kept in `SpaSftDataset.truncation_report`, so a run can say how many rows were cut and by how much.
 
 Conventions: `input_ids` (T,) = prompt ids followed by target ids; `loss_mask` (T,) is 1 where
@@ -20,10 +20,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from sft.batch_encode import encode_texts, encode_with_offsets
 from sft.loss_targets import (
     LossTarget,
     build_text,
@@ -104,8 +106,9 @@ def read_rows(files: str | Sequence[str], prompt_key: str = "prompt",
         if not path.is_file():
             raise FileNotFoundError(f"SFT data file {path} does not exist: run stage 1 "
                                     "(python -m SPA_agent.generate_sft_data) or fix the data path")
-        table = pq.read_table(path)
-        _check_schema(table.schema, path, prompt_key, response_key)
+        with pq.ParquetFile(path) as parquet:  # (pq.read_table's dataset API would import pandas: 0.8 s)
+            _check_schema(parquet.schema_arrow, path, prompt_key, response_key)
+            table = parquet.read(columns=[prompt_key, response_key])
         file_prompts, file_responses = table.column(prompt_key).to_pylist(), table.column(response_key).to_pylist()
         for row, (messages, response) in enumerate(zip(file_prompts, file_responses)):
             if response is None or messages is None or any(
@@ -163,31 +166,32 @@ class SpaSftDataset(torch.utils.data.Dataset):
 
     def _tokenize(self, tokenizer, prompts: list[list[dict]],
                   responses: list[str]) -> tuple[list[SftSample], TruncationReport]:
+        """All rows encoded at once (`sft.batch_encode`: the ids of `tokenizer(text, add_special_tokens=False)` for
+        the prompt and the target text of each row), then masked and truncated row by row in numpy."""
         eot = end_of_turn_token(tokenizer)
         texts = [build_text(tokenizer, p, r, self.loss_target, eot) for p, r in zip(prompts, responses)]
-        prompt_ids = tokenizer([t.prompt_text for t in texts], add_special_tokens=False)["input_ids"]
-        target = tokenizer([t.target_text for t in texts], add_special_tokens=False,
-                           return_offsets_mapping=True)
+        prompt_ids = encode_texts(tokenizer, [t.prompt_text for t in texts])
+        targets = encode_with_offsets(tokenizer, [t.target_text for t in texts])
         special = placeholder_ids(tokenizer) if self.loss_target is LossTarget.RELEASED else None
         samples, cuts, trained_cut, longest = [], [], 0, 0
-        for row, text in enumerate(texts):
-            ids = prompt_ids[row] + target["input_ids"][row]
-            mask = [0] * len(prompt_ids[row]) + token_loss_mask(target["offset_mapping"][row], text.loss_spans)
+        for row, (text, prompt, (target, offsets)) in enumerate(zip(texts, prompt_ids, targets)):
+            ids = np.concatenate([prompt, target])
+            mask = np.concatenate([np.zeros_like(prompt), token_loss_mask(offsets, text.loss_spans)])
             if special is not None:
                 mask = released_off_by_one(ids, mask, special)
-            full_length, full_trained = len(ids), sum(mask)
+            full_length, full_trained = len(ids), int(mask.sum())
             ids, mask = self._truncate(ids, mask, row)
             mask[0] = 0
             longest = max(longest, full_length)
             if len(ids) < full_length:
                 cuts.append(full_length - len(ids))
-                trained_cut += full_trained - sum(mask)
-            samples.append(SftSample(torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long)))
+                trained_cut += full_trained - int(mask.sum())
+            samples.append(SftSample(torch.from_numpy(ids), torch.from_numpy(mask)))
         report = TruncationReport(len(samples), longest, self.max_length, self.truncation.value, tuple(cuts),
                                   trained_cut)
         return samples, report
 
-    def _truncate(self, ids: list[int], mask: list[int], row: int) -> tuple[list[int], list[int]]:
+    def _truncate(self, ids: np.ndarray, mask: np.ndarray, row: int) -> tuple[np.ndarray, np.ndarray]:
         """Cut ids and mask with the same slice, so the mask stays aligned (spec §12.15)."""
         if len(ids) <= self.max_length:
             return ids, mask
