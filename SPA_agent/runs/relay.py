@@ -5,6 +5,7 @@ of hundreds of steps then needs several machines. What a run resumes from is sma
 adapters saved without merged weights (`trainer.save_merged_lora=False`, ~60 MB for SmolLM2-135M at rank 8), so:
 
     python -m SPA_agent.runs.relay pack --root /tmp --out relay table2_wm/ppo/_2_sokoban/spa_lora_s0 ...
+    python -m SPA_agent.runs.relay check relay          # here, before carrying them: every part's sha256
     python -m SPA_agent.runs.relay unpack relay --root /tmp
 
 `pack` writes one tar of each run's record (run_identity.json, metrics.jsonl, config.yaml, the latest-step file)
@@ -112,26 +113,40 @@ def pack(root: Path, runs: Sequence[str], out: Path, part_mib: float) -> dict:
     return manifest
 
 
-def _checked_parts(parts_dir: Path, manifest: dict) -> list[Path]:
+def _checked_parts(parts_dirs: Sequence[Path], manifest: dict) -> list[Path]:
+    """Every part of the manifest, found in one of `parts_dirs`, with its sha256 checked."""
     paths = []
     for part in manifest["parts"]:
-        path = parts_dir / part["name"]
-        if not path.is_file():
-            raise RelayError(f"part {part['name']} is missing from {parts_dir} "
+        found = [d / part["name"] for d in parts_dirs if (d / part["name"]).is_file()]
+        if not found:
+            raise RelayError(f"part {part['name']} is missing from {', '.join(map(str, parts_dirs))} "
                              f"({len(manifest['parts'])} parts in {MANIFEST})")
-        if file_sha256(path) != part["sha256"]:
-            raise RelayError(f"part {path} is damaged (its sha256 differs from {MANIFEST}'s); carry it again")
-        paths.append(path)
+        if file_sha256(found[0]) != part["sha256"]:
+            raise RelayError(f"part {found[0]} is damaged (its sha256 differs from {MANIFEST}'s); carry it again")
+        paths.append(found[0])
     return paths
+
+
+def _manifest(parts_dirs: Sequence[Path]) -> dict:
+    """The relay.json of the first of `parts_dirs` that holds one."""
+    for parts_dir in parts_dirs:
+        if (parts_dir / MANIFEST).is_file():
+            return json.loads((parts_dir / MANIFEST).read_text())
+    raise RelayError(f"{' nor '.join(map(str, parts_dirs))} holds no {MANIFEST}: nothing was packed there")
+
+
+def check(parts_dirs: Sequence[Path]) -> dict:
+    """Check every part of a relay spread over `parts_dirs` (e.g. the folders it is carried in); its manifest.
+    The starting models are not checked: they exist only where the runs continue (`unpack` checks them)."""
+    manifest = _manifest(parts_dirs)
+    _checked_parts(parts_dirs, manifest)
+    return manifest
 
 
 def unpack(parts_dir: Path, root: Path) -> list[dict]:
     """Check the parts and every run's starting models, then write the runs under `root`; the manifest's runs."""
-    manifest_path = parts_dir / MANIFEST
-    if not manifest_path.is_file():
-        raise RelayError(f"{parts_dir} holds no {MANIFEST}: nothing was packed there")
-    manifest = json.loads(manifest_path.read_text())
-    parts, hashed = _checked_parts(parts_dir, manifest), {}
+    manifest = _manifest([parts_dir])
+    parts, hashed = _checked_parts([parts_dir], manifest), {}
     for entry in manifest["runs"]:
         for model, expected in entry["models"].items():
             here = _hashed_once(hashed, model)
@@ -166,9 +181,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     unpacker = commands.add_parser("unpack", help="check the parts and the starting models, then restore the runs")
     unpacker.add_argument("parts", type=Path, help="the directory holding relay.json and the parts")
     unpacker.add_argument("--root", type=Path, required=True, help="where the runs go (their paths are relative)")
+    checker = commands.add_parser("check", help="check every part (spread over folders) and list the runs")
+    checker.add_argument("parts", type=Path, nargs="+", help="the directories holding relay.json and the parts")
     args = parser.parse_args(argv)
     try:
-        if args.command == "pack":
+        if args.command == "check":
+            manifest = check(args.parts)
+            for entry in manifest["runs"]:
+                models = "; ".join(f"{model} (model.safetensors {files.get('model.safetensors', '?')[:12]}…)"
+                                   for model, files in entry["models"].items())
+                print(f"{entry['run']}: step {entry['step']}, from {models}")
+            print(f"{len(manifest['parts'])} parts, {manifest['bytes'] / 2**20:.1f} MiB: every sha256 checked")
+        elif args.command == "pack":
             manifest = pack(args.root, args.runs, args.out, args.part_mib)
             for entry in manifest["runs"]:
                 print(f"{entry['run']}: step {entry['step']}")

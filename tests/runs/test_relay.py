@@ -96,3 +96,24 @@ def test_the_command_line_prints_one_line_errors(tmp_path, capsys):
     _fake_run(tmp_path / "a", tmp_path / "sft")
     assert relay.main(["pack", "ppo/arm", "--root", str(tmp_path / "a"), "--out", str(tmp_path / "p")]) == 0
     assert "ppo/arm: step 2" in capsys.readouterr().out
+
+
+def test_check_finds_the_parts_in_the_folders_they_are_carried_in(tmp_path, capsys):
+    _fake_run(tmp_path / "a", tmp_path / "sft")
+    manifest = relay.pack(tmp_path / "a", ["ppo/arm"], tmp_path / "parts", part_mib=0.004)
+    folders = [tmp_path / name for name in ("x", "y", "z")]
+    for i, path in enumerate(sorted((tmp_path / "parts").iterdir())):  # relay.json and the parts, spread
+        folders[i % 3].mkdir(exist_ok=True)
+        path.rename(folders[i % 3] / path.name)
+    assert relay.check(folders) == manifest
+    assert relay.main(["check", *map(str, folders)]) == 0
+    out = capsys.readouterr().out
+    assert f"ppo/arm: step 2, from {tmp_path / 'sft'} (model.safetensors " in out
+    assert f"{len(manifest['parts'])} parts" in out and "every sha256 checked" in out
+    damaged = next(f / "relay.tar.002" for f in folders if (f / "relay.tar.002").is_file())
+    damaged.write_bytes(b"x" + damaged.read_bytes()[1:])
+    assert relay.main(["check", *map(str, folders)]) == 2
+    assert f"part {damaged} is damaged" in capsys.readouterr().err
+    without_manifest = [f for f in folders if not (f / "relay.json").is_file()]
+    assert relay.main(["check", *map(str, without_manifest)]) == 2
+    assert "holds no relay.json" in capsys.readouterr().err
