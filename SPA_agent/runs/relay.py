@@ -130,8 +130,17 @@ def _checked_parts(parts_dirs: Sequence[Path], manifest: dict) -> list[Path]:
 def _manifest(parts_dirs: Sequence[Path]) -> dict:
     """The relay.json of the first of `parts_dirs` that holds one."""
     for parts_dir in parts_dirs:
-        if (parts_dir / MANIFEST).is_file():
-            return json.loads((parts_dir / MANIFEST).read_text())
+        path = parts_dir / MANIFEST
+        if path.is_file():
+            try:
+                manifest = json.loads(path.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as error:
+                raise RelayError(f"{path} is damaged ({error}); carry it again") from None
+            if not (isinstance(manifest, dict) and isinstance(manifest.get("runs"), list)
+                    and isinstance(manifest.get("parts"), list) and "bytes" in manifest):
+                raise RelayError(f"{path} is not a relay manifest (written by `relay pack`): it lacks runs, parts "
+                                 "or bytes")
+            return manifest
     raise RelayError(f"{' nor '.join(map(str, parts_dirs))} holds no {MANIFEST}: nothing was packed there")
 
 

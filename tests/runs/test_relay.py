@@ -117,3 +117,12 @@ def test_check_finds_the_parts_in_the_folders_they_are_carried_in(tmp_path, caps
     without_manifest = [f for f in folders if not (f / "relay.json").is_file()]
     assert relay.main(["check", *map(str, without_manifest)]) == 2
     assert "holds no relay.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, message", [('{"runs": [', "is damaged"), ('{"runs": []}', "is not a relay manifest")])
+def test_a_damaged_or_foreign_manifest_is_one_line(tmp_path, capsys, text, message):
+    (tmp_path / "relay.json").write_text(text)
+    assert relay.main(["check", str(tmp_path)]) == 2
+    assert relay.main(["unpack", str(tmp_path), "--root", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert err.count(f"relay.json {message}") == 2 and err.count("\n") == 2 and "Traceback" not in err
