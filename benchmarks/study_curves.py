@@ -25,7 +25,9 @@ from backend_curves import curve, panel_grid, wilson  # noqa: E402
 
 PANELS = (("val-env/{env}/success", "validation success"), ("train/{env}/success", "training success"),
           ("train/diag/format_valid", "well-formed training turns"), ("diag/entropy/answer", "answer-span entropy"),
-          ("diag/kl_ref", "KL to the reference model"), ("critic/vf_explained_var", "critic explained variance"),
+          ("diag/kl_ref", "KL to the reference model"), ("diag/kl_ref/answer", "KL to the reference: answers"),
+          ("diag/kl_ref/state", "KL to the reference: state blocks"),
+          ("critic/vf_explained_var", "critic explained variance"),
           ("timing_s/step", "seconds a step"),
           ("val-env/{env}/worldmodel/observation_exact", "validation: observation exact"),
           ("val-env/{env}/worldmodel/prediction_exact", "validation: prediction exact"))

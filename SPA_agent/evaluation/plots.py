@@ -32,7 +32,8 @@ DIAGNOSTIC_PANELS = (
     ("input dependence of reasoning", "accuracy / nats", ("diag/mi/accuracy", "diag/mi/chance", "diag/mi/estimate")),
     ("score std within groups", "std", ("rollout/in_group_std", "rollout/chosen_in_group_std")),
     ("format valid", "fraction of turns", ("train/diag/format_valid", "val-env/diag/format_valid")),
-    ("KL to reference", "nats", ("diag/kl_ref", "actor/kl_loss", "actor/reward_kl_penalty")),
+    ("KL to reference", "nats", ("diag/kl_ref", *(f"diag/kl_ref/{s}" for s in ("state", "reasoning", "answer")),
+                                 "actor/kl_loss", "actor/reward_kl_penalty")),
     ("response length", "tokens", ("response_length/mean", "train/response_length", "val-env/response_length")),
 )
 

@@ -9,7 +9,8 @@ Batch diagnostics (the filtered training batch, from the old-log-prob pass), log
     entropy/<span>     mean token entropy over the trained positions of each span (token_spans.SPANS) and
                        `entropy/all` over all of them; token_share/<span> is the span's share of those positions,
                        so Σ_span token_share · entropy = entropy/all
-    kl_ref             KL(actor ‖ reference) on the trained positions (verl's low_var_kl estimator), with a reference
+    kl_ref             KL(actor ‖ reference) on the trained positions (verl's low_var_kl estimator), with a reference;
+                       kl_ref/<span> the same over each span's positions
     mi/*               input dependence of the reasoning every `mi_freq` steps (input_dependence.py)
 """
 
@@ -80,6 +81,22 @@ def kl_to_reference(old_log_probs: torch.Tensor, ref_log_prob: torch.Tensor, res
     return verl_F.masked_mean(kl, response_mask).item()
 
 
+def span_kl_metrics(old_log_probs: torch.Tensor, ref_log_prob: torch.Tensor, response_mask: torch.Tensor,
+                    labels: torch.Tensor) -> dict[str, float]:
+    """`diag/kl_ref` and `diag/kl_ref/<span>`: where the policy has moved from the reference, span by span (in
+    add_worldmodel prompts, e.g. whether PPO changes the answers or the written states). Same estimator and
+    positions as `kl_to_reference`; Σ_span token_share · kl_ref/<span> = kl_ref. (B, T-1) inputs, `labels` as in
+    `span_entropy_metrics`; a span without positions gets no key."""
+    metrics = {"diag/kl_ref": kl_to_reference(old_log_probs, ref_log_prob, response_mask)}
+    kl = core_algos.kl_penalty(old_log_probs, ref_log_prob, kl_penalty="low_var_kl").double()
+    on = response_mask.bool()
+    for index, name in enumerate(SPANS):
+        span = on & (labels == index)
+        if span.any():
+            metrics[f"diag/kl_ref/{name}"] = kl[span].mean().item()
+    return metrics
+
+
 class Diagnostics:
     """The diagnostics of one run: span labels for its tokenizer and forced prefix, the MI schedule."""
 
@@ -114,7 +131,7 @@ class Diagnostics:
         labels = self.labeler.batch(t["input_ids"], t["assistant_mask"])
         metrics = span_entropy_metrics(t["entropys"], t["response_mask"], labels)
         if "ref_log_prob" in t:
-            metrics["diag/kl_ref"] = kl_to_reference(t["old_log_probs"], t["ref_log_prob"], t["response_mask"])
+            metrics.update(span_kl_metrics(t["old_log_probs"], t["ref_log_prob"], t["response_mask"], labels))
         return metrics
 
     def due(self, step: int) -> bool:

@@ -20,6 +20,7 @@ from SPA_agent.trainer.diagnostics import (
     kl_to_reference,
     rollout_diagnostics,
     span_entropy_metrics,
+    span_kl_metrics,
 )
 from SPA_agent.trainer.local_backend.backend import LocalBackend
 from SPA_agent.trainer.token_spans import (
@@ -117,6 +118,11 @@ def test_span_entropies_weighted_by_their_share_sum_to_the_whole_on_a_real_batch
     assert whole == pytest.approx(metrics["diag/entropy/all"], rel=1e-9)
     expected_all = t["entropys"][t["response_mask"].bool()].double().mean().item()
     assert metrics["diag/entropy/all"] == pytest.approx(expected_all, rel=1e-9)
+    shifted = t["old_log_probs"] - 0.1 * labels.float()  # a reference that differs by span
+    kl = span_kl_metrics(t["old_log_probs"], shifted, t["response_mask"], labels)
+    assert kl["diag/kl_ref/state"] == 0.0 < kl["diag/kl_ref/reasoning"] < kl["diag/kl_ref/answer"] < kl["diag/kl_ref/other"]
+    whole = math.fsum(metrics[f"diag/token_share/{s}"] * kl[f"diag/kl_ref/{s}"] for s in SPANS)
+    assert whole == pytest.approx(kl["diag/kl_ref"], rel=1e-5)
 
 
 def test_distinct_ratios_on_known_vectors():
@@ -143,6 +149,24 @@ def test_kl_to_reference_is_zero_for_the_same_policy_and_positive_otherwise():
     mask = torch.tensor([[1.0, 1.0, 0.0]])
     assert kl_to_reference(old, old, mask) == 0.0
     assert kl_to_reference(old, old - 0.5, mask) > 0.0
+
+
+def test_span_kl_on_known_vectors_sums_to_the_whole_by_token_share():
+    old = torch.log(torch.tensor([[0.5, 0.2, 0.9, 0.4], [0.3, 0.6, 0.8, 0.1]]))
+    ref = torch.log(torch.tensor([[0.4, 0.2, 0.1, 0.5], [0.3, 0.9, 0.7, 0.2]]))
+    mask = torch.tensor([[1.0, 1.0, 0.0, 1.0], [1.0, 1.0, 1.0, 0.0]])
+    labels = torch.tensor([[STATE, ANSWER, ANSWER, STATE], [REASONING, ANSWER, STATE, OTHER]])
+    ratio = ref.double() - old.double()  # k3 = exp(ref - old) - (ref - old) - 1 per position (float32 inside)
+    k3 = ratio.exp() - ratio - 1
+    metrics = span_kl_metrics(old, ref, mask, labels)
+    assert metrics["diag/kl_ref/state"] == pytest.approx((k3[0, 0] + k3[0, 3] + k3[1, 2]).item() / 3, rel=1e-5)
+    assert metrics["diag/kl_ref/answer"] == pytest.approx((k3[0, 1] + k3[1, 1]).item() / 2, rel=1e-5)
+    assert metrics["diag/kl_ref/reasoning"] == pytest.approx(k3[1, 0].item(), rel=1e-5)
+    assert "diag/kl_ref/other" not in metrics  # its only position is masked out
+    assert metrics["diag/kl_ref"] == kl_to_reference(old, ref, mask)
+    share = {"state": 3 / 6, "answer": 2 / 6, "reasoning": 1 / 6}
+    whole = math.fsum(share[s] * metrics[f"diag/kl_ref/{s}"] for s in share)
+    assert whole == pytest.approx(metrics["diag/kl_ref"], rel=1e-6)
 
 
 def test_identification_metrics_on_constructed_score_matrices():
