@@ -114,34 +114,43 @@ def pack(root: Path, runs: Sequence[str], out: Path, part_mib: float) -> dict:
 
 
 def _checked_parts(parts_dirs: Sequence[Path], manifest: dict) -> list[Path]:
-    """Every part of the manifest, found in one of `parts_dirs`, with its sha256 checked."""
-    paths = []
+    """Every part of the manifest, found in one of `parts_dirs`, with its sha256 checked; a part in several of them
+    is checked in each (folders carried together into one overwrite one another's copies)."""
+    paths, parts_dirs = [], list(dict.fromkeys(parts_dirs))
     for part in manifest["parts"]:
         found = [d / part["name"] for d in parts_dirs if (d / part["name"]).is_file()]
         if not found:
             raise RelayError(f"part {part['name']} is missing from {', '.join(map(str, parts_dirs))} "
                              f"({len(manifest['parts'])} parts in {MANIFEST})")
-        if file_sha256(found[0]) != part["sha256"]:
-            raise RelayError(f"part {found[0]} is damaged (its sha256 differs from {MANIFEST}'s); carry it again")
+        for path in found:
+            if file_sha256(path) != part["sha256"]:
+                if len(found) == 1:
+                    raise RelayError(f"part {path} is damaged (its sha256 differs from {MANIFEST}'s); carry it again")
+                others = ", ".join(str(other) for other in found if other != path)
+                raise RelayError(f"part {path} is damaged or stale (its sha256 differs from {MANIFEST}'s; the part "
+                                 f"is also in {others}): remove it or carry it again")
         paths.append(found[0])
     return paths
 
 
 def _manifest(parts_dirs: Sequence[Path]) -> dict:
-    """The relay.json of the first of `parts_dirs` that holds one."""
-    for parts_dir in parts_dirs:
-        path = parts_dir / MANIFEST
-        if path.is_file():
-            try:
-                manifest = json.loads(path.read_text())
-            except (json.JSONDecodeError, UnicodeDecodeError) as error:
-                raise RelayError(f"{path} is damaged ({error}); carry it again") from None
-            if not (isinstance(manifest, dict) and isinstance(manifest.get("runs"), list)
-                    and isinstance(manifest.get("parts"), list) and "bytes" in manifest):
-                raise RelayError(f"{path} is not a relay manifest (written by `relay pack`): it lacks runs, parts "
-                                 "or bytes")
-            return manifest
-    raise RelayError(f"{' nor '.join(map(str, parts_dirs))} holds no {MANIFEST}: nothing was packed there")
+    """The relay.json of `parts_dirs`; where several of them hold one, every copy must hold the same bytes."""
+    copies = [d / MANIFEST for d in dict.fromkeys(parts_dirs) if (d / MANIFEST).is_file()]
+    if not copies:
+        raise RelayError(f"{' nor '.join(map(str, parts_dirs))} holds no {MANIFEST}: nothing was packed there")
+    path = copies[0]
+    for other in copies[1:]:
+        if other.read_bytes() != path.read_bytes():
+            raise RelayError(f"{path} and {other} differ: keep the {MANIFEST} packed with these parts, remove the "
+                             "other")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise RelayError(f"{path} is damaged ({error}); carry it again") from None
+    if not (isinstance(manifest, dict) and isinstance(manifest.get("runs"), list)
+            and isinstance(manifest.get("parts"), list) and "bytes" in manifest):
+        raise RelayError(f"{path} is not a relay manifest (written by `relay pack`): it lacks runs, parts or bytes")
+    return manifest
 
 
 def check(parts_dirs: Sequence[Path]) -> dict:

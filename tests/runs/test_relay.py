@@ -126,3 +126,22 @@ def test_a_damaged_or_foreign_manifest_is_one_line(tmp_path, capsys, text, messa
     assert relay.main(["unpack", str(tmp_path), "--root", str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err
     assert err.count(f"relay.json {message}") == 2 and err.count("\n") == 2 and "Traceback" not in err
+
+
+def test_check_checks_every_copy_of_a_part_or_manifest_in_several_folders(tmp_path, capsys):
+    """Folders carried together into one overwrite one another's copies: a stale copy anywhere is named, even where
+    the first folder's copy is good."""
+    _fake_run(tmp_path / "a", tmp_path / "sft")
+    relay.pack(tmp_path / "a", ["ppo/arm"], tmp_path / "x", part_mib=0.004)
+    (tmp_path / "y").mkdir()
+    stale = tmp_path / "y" / "relay.tar.001"
+    stale.write_bytes(b"x" + (tmp_path / "x" / "relay.tar.001").read_bytes()[1:])
+    folders = [str(tmp_path / "x"), str(tmp_path / "y")]
+    assert relay.main(["check", *folders]) == 2
+    assert f"part {stale} is damaged or stale" in capsys.readouterr().err
+    stale.unlink()
+    (tmp_path / "y" / "relay.json").write_text((tmp_path / "x" / "relay.json").read_text().replace("2", "3"))
+    assert relay.main(["check", *folders]) == 2
+    assert f"{tmp_path / 'x' / 'relay.json'} and {tmp_path / 'y' / 'relay.json'} differ" in capsys.readouterr().err
+    (tmp_path / "y" / "relay.json").write_bytes((tmp_path / "x" / "relay.json").read_bytes())
+    assert relay.main(["check", *folders, folders[0]]) == 0
