@@ -147,10 +147,24 @@ def _manifest(parts_dirs: Sequence[Path]) -> dict:
         manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise RelayError(f"{path} is damaged ({error}); carry it again") from None
-    if not (isinstance(manifest, dict) and isinstance(manifest.get("runs"), list)
-            and isinstance(manifest.get("parts"), list) and "bytes" in manifest):
-        raise RelayError(f"{path} is not a relay manifest (written by `relay pack`): it lacks runs, parts or bytes")
+    if not _is_manifest(manifest):
+        raise RelayError(f"{path} is not a relay manifest (written by `relay pack`): its runs, parts or bytes are "
+                         "missing or of another form")
     return manifest
+
+
+def _is_manifest(manifest) -> bool:
+    """Whether `manifest` has the form `pack` writes: what check and unpack read of it."""
+    if not (isinstance(manifest, dict) and isinstance(manifest.get("runs"), list)
+            and isinstance(manifest.get("parts"), list) and isinstance(manifest.get("bytes"), int)):
+        return False
+    parts_ok = all(isinstance(part, dict) and isinstance(part.get("name"), str) and isinstance(part.get("sha256"), str)
+                   for part in manifest["parts"])
+    runs_ok = all(isinstance(entry, dict) and isinstance(entry.get("run"), str) and isinstance(entry.get("step"), int)
+                  and isinstance(entry.get("models"), dict)
+                  and all(isinstance(files, dict) for files in entry["models"].values())
+                  for entry in manifest["runs"])
+    return parts_ok and runs_ok
 
 
 def check(parts_dirs: Sequence[Path]) -> dict:

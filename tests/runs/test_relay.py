@@ -119,7 +119,12 @@ def test_check_finds_the_parts_in_the_folders_they_are_carried_in(tmp_path, caps
     assert "holds no relay.json" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("text, message", [('{"runs": [', "is damaged"), ('{"runs": []}', "is not a relay manifest")])
+@pytest.mark.parametrize("text, message", [
+    ('{"runs": [', "is damaged"), ('{"runs": []}', "is not a relay manifest"),
+    ('{"runs": [{}], "parts": [], "bytes": 0}', "is not a relay manifest"),
+    ('{"runs": [], "parts": [{"name": "relay.json"}], "bytes": 0}', "is not a relay manifest"),
+    ('{"runs": [{"run": "r", "step": 1, "models": {"m": "ab"}}], "parts": [], "bytes": 0}',
+     "is not a relay manifest")])
 def test_a_damaged_or_foreign_manifest_is_one_line(tmp_path, capsys, text, message):
     (tmp_path / "relay.json").write_text(text)
     assert relay.main(["check", str(tmp_path)]) == 2
