@@ -6,12 +6,11 @@
 Reads `<run>/metrics.jsonl` of every run directory there (one arm each; with several folders, the arms of all of
 them, whose names must differ) and draws, per PPO step and one line per arm: the validation success with its 95%
 Wilson interval over --val-episodes episodes (128 puzzles × the validation samples), the training success, the share
-of well-formed training turns, the entropy of the answer span, the KL to the reference model, the critic's explained
-variance, the step's seconds, and in add_worldmodel prompts the validation's world-model accuracy (the share of turns
-whose written observation, and prediction, is exactly the true current and next state; no interval: its count is
-turns, not episodes) (panels no arm logs are left out). Prints the validation success per arm and step as
-a markdown table, with the intervals, and each arm's last step.
-"""
+of well-formed training turns, the entropy of the answer span, the KL to the reference model (all trained tokens,
+the answers, the state blocks), the critic's explained variance, the step's seconds, and in add_worldmodel prompts
+the validation's world-model accuracy (the share of turns whose written observation, and prediction, is exactly the
+true current and next state; no interval: its count is turns, not episodes) (panels no arm logs are left out).
+Prints the validation success per arm and step as a markdown table, with the intervals, and each arm's last step."""
 
 from __future__ import annotations
 

@@ -137,7 +137,8 @@ def _manifest(parts_dirs: Sequence[Path]) -> dict:
     """The relay.json of `parts_dirs`; where several of them hold one, every copy must hold the same bytes."""
     copies = [d / MANIFEST for d in dict.fromkeys(parts_dirs) if (d / MANIFEST).is_file()]
     if not copies:
-        raise RelayError(f"{' nor '.join(map(str, parts_dirs))} holds no {MANIFEST}: nothing was packed there")
+        where = str(parts_dirs[0]) if len(parts_dirs) == 1 else f"none of {', '.join(map(str, parts_dirs))}"
+        raise RelayError(f"{where} holds no {MANIFEST}: nothing was packed there")
     path = copies[0]
     for other in copies[1:]:
         if other.read_bytes() != path.read_bytes():
@@ -220,7 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "check":
             manifest = check(args.parts)
             for entry in manifest["runs"]:
-                models = "; ".join(f"{model} (model.safetensors {files.get('model.safetensors', '?')[:12]}…)"
+                models = "; ".join(f"{model} (model.safetensors {files.get('model.safetensors', '?')})"
                                    for model, files in entry["models"].items())
                 print(f"{entry['run']}: step {entry['step']}, from {models}")
             print(f"{len(manifest['parts'])} parts, {manifest['bytes'] / 2**20:.1f} MiB: every sha256 checked")
