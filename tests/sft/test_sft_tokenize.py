@@ -11,6 +11,7 @@ import functools
 import pytest
 import torch
 from sft_fixtures import PROMPT, RESPONSE, llama3_tokenizer, synthetic_rows, write_rows
+from smollm2_template import SMOLLM2_TEMPLATE
 
 from sft.batch_encode import encode_texts, encode_with_offsets, rust_tokenizer, segment_pattern, segments
 from sft.loss_targets import LossTarget, build_text, end_of_turn_token, placeholder_ids, prepare_tokenizer
@@ -60,6 +61,7 @@ def assert_same_as_reference(path, tokenizer, loss_target: LossTarget) -> None:
 def tokenizer_for(name: str, tiny_tokenizer, loss_target: LossTarget):
     """The named tokenizer; a copy with the placeholder tokens for `released`."""
     tokenizer = {"chatml": lambda: tiny_tokenizer, "llama3": lambda: llama3_tokenizer(tiny_tokenizer),
+                 "smollm2_template": lambda: smollm2_template_tokenizer(tiny_tokenizer),
                  "smollm2": smollm2_tokenizer}[name]()
     if loss_target is LossTarget.RELEASED:
         tokenizer = copy.deepcopy(tokenizer)
@@ -67,10 +69,18 @@ def tokenizer_for(name: str, tiny_tokenizer, loss_target: LossTarget):
     return tokenizer
 
 
+def smollm2_template_tokenizer(tokenizer):
+    """A copy of `tokenizer` under SmolLM2's chat template (its default system message): SmolLM2's row layout on
+    every machine, where its own vocabulary is not converted."""
+    smol = copy.deepcopy(tokenizer)
+    smol.chat_template = SMOLLM2_TEMPLATE
+    return smol
+
+
 @functools.cache
 def smollm2_tokenizer():
     """SmolLM2-135M-Instruct's tokenizer where SPA_agent/smollm2.py has converted it on this machine (else skip:
-    converting needs the GGUF file, docs/smollm2.md)."""
+    converting needs the GGUF file, docs/smollm2.md; `smollm2_template` covers its template everywhere)."""
     from transformers import AutoTokenizer
 
     from SPA_agent import smollm2
@@ -82,7 +92,7 @@ def smollm2_tokenizer():
     return AutoTokenizer.from_pretrained(directory)
 
 
-TOKENIZERS = ["chatml", "llama3", "smollm2"]
+TOKENIZERS = ["chatml", "llama3", "smollm2_template", "smollm2"]
 
 
 @pytest.fixture(scope="module")
