@@ -3,8 +3,9 @@
 Each row has `prompt` (list<struct<content, role>>: the chat up to the assistant turn) and `response` (the
 assistant message); other columns (ours or the released data's) are ignored. Rows are rendered by
 `sft.loss_targets.build_text` (the one place that decides which tokens train), tokenized once at
-construction (all rows at once: `sft.batch_encode`), and truncated with masks kept aligned to ids (fixing spec §12.15). What truncation removed is
-kept in `SpaSftDataset.truncation_report`, so a run can say how many rows were cut and by how much.
+construction (all rows at once: `sft.batch_encode`), and truncated with masks kept aligned to ids (fixing spec
+§12.15). What truncation removed is kept in `SpaSftDataset.truncation_report`, so a run can say how many rows were
+cut and by how much.
 
 Conventions: `input_ids` (T,) = prompt ids followed by target ids; `loss_mask` (T,) is 1 where
 `input_ids[i]` is a trained target, i.e. the logits at position i−1 are scored against it. Position 0 is never

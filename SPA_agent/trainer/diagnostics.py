@@ -75,21 +75,16 @@ def rollout_diagnostics(states: Sequence[EnvRecord]) -> dict[str, float]:
     return metrics
 
 
-def kl_to_reference(old_log_probs: torch.Tensor, ref_log_prob: torch.Tensor, response_mask: torch.Tensor) -> float:
-    """Mean low_var_kl (k3) estimate of KL(actor ‖ reference) over the trained positions, (B, T-1) inputs."""
-    kl = core_algos.kl_penalty(old_log_probs, ref_log_prob, kl_penalty="low_var_kl")
-    return verl_F.masked_mean(kl, response_mask).item()
-
-
 def span_kl_metrics(old_log_probs: torch.Tensor, ref_log_prob: torch.Tensor, response_mask: torch.Tensor,
                     labels: torch.Tensor) -> dict[str, float]:
-    """`diag/kl_ref` and `diag/kl_ref/<span>`: where the policy has moved from the reference, span by span (in
-    add_worldmodel prompts, e.g. whether PPO changes the answers or the written states). Same estimator and
-    positions as `kl_to_reference`; Σ_span token_share · kl_ref/<span> = kl_ref. (B, T-1) inputs, `labels` as in
-    `span_entropy_metrics`; a span without positions gets no key."""
-    metrics = {"diag/kl_ref": kl_to_reference(old_log_probs, ref_log_prob, response_mask)}
-    kl = core_algos.kl_penalty(old_log_probs, ref_log_prob, kl_penalty="low_var_kl").double()
-    on = response_mask.bool()
+    """`diag/kl_ref`: the mean low_var_kl (k3) estimate of KL(actor ‖ reference) over the trained positions, and
+    `diag/kl_ref/<span>` the same over each span's positions: where the policy has moved from the reference (in
+    add_worldmodel prompts, e.g. whether PPO changes the answers or the written states);
+    Σ_span token_share · kl_ref/<span> = kl_ref. (B, T-1) inputs, `labels` as in `span_entropy_metrics`; a span
+    without positions gets no key."""
+    kl = core_algos.kl_penalty(old_log_probs, ref_log_prob, kl_penalty="low_var_kl")
+    metrics = {"diag/kl_ref": verl_F.masked_mean(kl, response_mask).item()}
+    kl, on = kl.double(), response_mask.bool()
     for index, name in enumerate(SPANS):
         span = on & (labels == index)
         if span.any():

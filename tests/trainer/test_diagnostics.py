@@ -17,7 +17,6 @@ from SPA_agent.trainer import input_dependence as dep
 from SPA_agent.trainer.diagnostics import (
     Diagnostics,
     distinct_ratios,
-    kl_to_reference,
     rollout_diagnostics,
     span_entropy_metrics,
     span_kl_metrics,
@@ -147,8 +146,9 @@ def test_rollout_diagnostics_count_format_valid_turns_and_distinct_trajectories(
 def test_kl_to_reference_is_zero_for_the_same_policy_and_positive_otherwise():
     old = torch.log(torch.tensor([[0.5, 0.2, 0.9]]))
     mask = torch.tensor([[1.0, 1.0, 0.0]])
-    assert kl_to_reference(old, old, mask) == 0.0
-    assert kl_to_reference(old, old - 0.5, mask) > 0.0
+    labels = torch.tensor([[ANSWER, ANSWER, OTHER]])
+    assert span_kl_metrics(old, old, mask, labels)["diag/kl_ref"] == 0.0
+    assert span_kl_metrics(old, old - 0.5, mask, labels)["diag/kl_ref"] > 0.0
 
 
 def test_span_kl_on_known_vectors_sums_to_the_whole_by_token_share():
