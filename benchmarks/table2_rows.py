@@ -11,7 +11,8 @@ puzzles, so the pooled episodes are not independent and the interval is narrower
 puzzles; the seeds' own values are printed beside it. Two columns: step 0 (the start: Base for Vanilla RL, SFT-only for the others) and
 --step, by default the last validation step that every arm reached, so that every row is compared after the same
 number of PPO steps. Arms that have not validated at that step are left out of a row and named below the table.
-Where a row's arms log it (add_worldmodel prompts), the share of turns whose prediction is exactly the next state.
+Where a row's arms log it (add_worldmodel prompts), the world model's accuracy before and after PPO: the share of
+turns whose observation is exactly the current state, and whose prediction is exactly the next one.
 """
 
 from __future__ import annotations
@@ -48,11 +49,20 @@ def cell(values: list[float], episodes: int) -> str:
     return f"{mean:.3f} [{low:.3f}, {high:.3f}]"
 
 
+def before_after(arms: dict[str, list[dict]], names: list[str], key: str, step: int) -> str:
+    """`<mean at step 0> → <mean at step>` of `key` over the arms `names`; empty unless every one logs both."""
+    values = [curve(arms[name], key) for name in names]
+    if not all(0 in value and step in value for value in values):
+        return ""
+    return f"{sum(v[0] for v in values) / len(values):.3f} → {sum(v[step] for v in values) / len(values):.3f}"
+
+
 def table(arms: dict[str, list[dict]], step: int, episodes: int) -> str:
     env = environment(arms)
-    success, prediction = f"val-env/{env}/success", f"val-env/{env}/worldmodel/prediction_exact"
-    lines = [f"| row | seeds | step 0 | step {step} | gain | each seed at step {step} | prediction exact, step 0 → {step} |",
-             "|---|---|---|---|---|---|---|"]
+    success, world_model = f"val-env/{env}/success", f"val-env/{env}/worldmodel"
+    lines = [f"| row | seeds | step 0 | step {step} | gain | each seed at step {step} "
+             f"| observation exact, step 0 → {step} | prediction exact, step 0 → {step} |",
+             "|---|---|---|---|---|---|---|---|"]
     missing = []
     for row, names in rows_of(arms).items():
         reached = [name for name in names if step in curve(arms[name], success)]
@@ -63,13 +73,10 @@ def table(arms: dict[str, list[dict]], step: int, episodes: int) -> str:
         end = [curve(arms[name], success)[step] for name in reached]
         gain = f"{sum(end) / len(end) - sum(start) / len(start):+.3f}" if len(start) == len(end) else ""
         seeds = ", ".join(f"{curve(arms[name], success)[step]:.3f}" for name in reached)
-        predicted = [curve(arms[name], prediction) for name in reached]
-        accuracy = ""
-        if all(0 in p and step in p for p in predicted):
-            accuracy = (f"{sum(p[0] for p in predicted) / len(predicted):.3f} → "
-                        f"{sum(p[step] for p in predicted) / len(predicted):.3f}")
+        observed = before_after(arms, reached, f"{world_model}/observation_exact", step)
+        predicted = before_after(arms, reached, f"{world_model}/prediction_exact", step)
         lines.append(f"| {row} | {len(reached)} | {cell(start, episodes) if start else ''} | {cell(end, episodes)} "
-                     f"| {gain} | {seeds} | {accuracy} |")
+                     f"| {gain} | {seeds} | {observed} | {predicted} |")
     if missing:
         lines.append(f"\nnot validated at step {step}: {', '.join(missing)}")
     return "\n".join(lines)
