@@ -1,12 +1,14 @@
-"""PPO steps of SmolLM2-135M-Instruct on Sokoban, phase by phase, on one GPU (issue 42).
+"""PPO steps of SmolLM2-135M-Instruct on Sokoban (or FrozenLake: --config _3_frozen_lake), phase by phase, on one GPU
+(issue 42).
 
-The real pipeline (config `_2_sokoban model=smollm2-135m`, the base prompt mode of the original's PPO, the config's
-batch of 32 groups × 8), built as `main_ppo` builds it, from --model-path (an SFT checkpoint, or `smollm2-135m` for
-the base model). Runs --steps PPO steps, then one validation of 128 puzzles × --val-samples; prints one JSON line
-per step with every phase's seconds (`timing_s/<phase>`, the trainer's own), the generator's calls, prefill tokens,
-decode steps, sampled tokens and CUDA-graph capture time, and the time inside the generator (`gen_model_s`, the
-rest of `gen` is the rollout's host work: prompts, parsing, env steps, the batch). The summary line holds the median
-of each phase over the steady steps (all but the first), their sum (`total`) and the validation's seconds.
+The real pipeline (config `_2_sokoban model=smollm2-135m`, or --config's, the base prompt mode of the original's PPO,
+the config's batch of 32 groups × 8), built as `main_ppo` builds it, from --model-path (an SFT checkpoint, or
+`smollm2-135m` for the base model). Runs --steps PPO steps, then one validation of 128 puzzles × --val-samples;
+prints one JSON line per step with every phase's seconds (`timing_s/<phase>`, the trainer's own), the generator's
+calls, prefill tokens, decode steps, sampled tokens and CUDA-graph capture time, and the time inside the generator
+(`gen_model_s`, the rest of `gen` is the rollout's host work: prompts, parsing, env steps, the batch). The summary
+line holds the median of each phase over the steady steps (all but the first), their sum (`total`) and the
+validation's seconds.
 
     python benchmarks/smollm2_step.py --model-path <sft checkpoint> --steps 4 --json out.json
     python benchmarks/smollm2_step.py --model-path <dir> --profile step   # + operator tables of one more step
@@ -144,6 +146,7 @@ def main() -> None:
                              "long the GPU sat idle)")
     parser.add_argument("--json", type=Path, help="also write every line to this file (a JSON list)")
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU, tiny batch (CI)")
+    parser.add_argument("--config", default="_2_sokoban", help="entry config, e.g. _3_frozen_lake (FrozenLake 4x4)")
     parser.add_argument("override", nargs="*", help="more config overrides (KEY=VALUE), applied last")
     args = parser.parse_args()
     if args.steps < 2:
@@ -159,7 +162,8 @@ def main() -> None:
         print(json.dumps(row), flush=True)
 
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = compose("_2_sokoban", overrides(args, Path(tmp) / "run"))
+        cfg = compose(args.config, overrides(args, Path(tmp) / "run"))
+        train_env, val_env = cfg.es_manager.train.env_configs.tags[0], cfg.es_manager.val.env_configs.tags[0]
         lock = DirLock(Path(cfg.trainer.default_local_dir))
         start = time.perf_counter()
         trainer = build_trainer(cfg, lock)
@@ -175,7 +179,7 @@ def main() -> None:
             row = {"metric": "step", "step": step, **{k: round(v, 3) for k, v in timer.metrics().items()},
                    **timed.take(), "train_tokens": metrics.get("perf/total_num_tokens"),
                    "response_length_mean": metrics.get("response_length/mean"),
-                   "success": metrics.get("train/SimpleSokoban/success")}
+                   "success": metrics.get(f"train/{train_env}/success")}
             steps.append(row)
             emit(row)
         if not args.no_val:
@@ -184,7 +188,7 @@ def main() -> None:
             sync()
             emit({"metric": "validation", "episodes": 128 * args.val_samples if not args.smoke else None,
                   "seconds": round(time.perf_counter() - start, 3), **timed.take(),
-                  "success": val.get("val-env/SimpleSokoban/success")})
+                  "success": val.get(f"val-env/{val_env}/success")})
         if args.profile:
             profiled(trainer, args.profile, args.steps + 1)
             timed.take()

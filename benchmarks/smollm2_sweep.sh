@@ -1,18 +1,25 @@
 #!/usr/bin/env bash
-# Issue 26, a PPO settings sweep for SmolLM2-135M-Instruct on SimpleSokoban on one GPU, after
-# benchmarks/smollm2_sokoban.sh showed no learning at lr 1e-5 in 30 steps: the same random-action data and SFT (or
-# another start, START below), then one PPO run per line of SETTINGS ("<name> <hydra overrides...>"), side by side,
-# all with the prompts of MODE (add_worldmodel, the SFT's own, by default; base is the original's PPO mode).
+# Issue 26, a PPO settings sweep for SmolLM2-135M-Instruct on SimpleSokoban (or FrozenLake: CONFIG below) on one
+# GPU, after benchmarks/smollm2_sokoban.sh showed no learning at lr 1e-5 in 30 steps: the same random-action data and
+# SFT (or another start, START below), then one PPO run per line of SETTINGS ("<name> <hydra overrides...>"), side
+# by side, all with the prompts of MODE (add_worldmodel, the SFT's own, by default; base is the original's PPO mode).
 #
 #   OUT=smollm2_sweep STEPS=60 bash benchmarks/smollm2_sweep.sh
 #   MODE=base STEPS=300 TEST_FREQ=25 SETTINGS="$(cat settings.txt)" bash benchmarks/smollm2_sweep.sh   # issue 43's plan
+#
+# CONFIG: the entry config of every stage, _2_sokoban (SimpleSokoban, default) or _3_frozen_lake (FrozenLake 4x4);
+# an unknown one is one line and exit status 2. The runs go to $OUT/ppo/$CONFIG/<name>. On _3_frozen_lake with
+# smollm2-135m every run's rollouts get 320 new tokens a turn instead of the preset's 256, before the settings'
+# overrides: the coordinate sentence names every hole, and a response in the SFT's format on a map with 7 or 8
+# holes is 268-286 SmolLM2 tokens (docs/results/smollm2_table2/README.md, "FrozenLake 4x4").
 #
 # Each run gets one GPU, round-robin over the host's GPUs (GPUS: how many to use, default every GPU nvidia-smi
 # lists; or GPU_IDS, the devices by number, e.g. "2 3", so that two sweeps share a host), so four settings on a
 # four-GPU host run one a GPU, and more settings than GPUs share them; each run is the local backend on its GPU
 # (NGPUS=1), never verl over all of them. The SFT before them runs on the first SFT_GPUS of those GPUs (default 1;
 # torchrun, one rank a GPU): its steps are short, so a multi-GPU host gets its arms started sooner.
-# GENERATOR: stage 1's generator, random (the random-action data, default) or solver (issue 43's ceiling data).
+# GENERATOR: stage 1's generator, random (the random-action data, default) or solver (issue 43's ceiling data;
+# Sokoban only, refused on FrozenLake before any stage runs).
 # START: what the runs start from: wm (default) the SFT on the self-play data; nowm the SFT on the same rows in the
 # base format, without <observation>/<prediction> (SPA_agent.selfplay.without_worldmodel: the format-only control);
 # base the untouched model, no data and no SFT (Vanilla RL).
@@ -53,19 +60,22 @@ done
 GPUS=${#GPU_LIST[@]}
 export MODEL="${MODEL:-smollm2-135m}"
 . scripts/common.sh
+CONFIG="${CONFIG:-_2_sokoban}"
+check_config "$CONFIG"
 model_settings "$MODEL"
 PPO=(ctx_manager.mode="$MODE" trainer.total_training_steps="$STEPS" trainer.test_freq="$TEST_FREQ"
      trainer.save_freq="${SAVE_FREQ:-$TEST_FREQ}" es_manager.val.group_size="$VAL_SAMPLES")
+[ "$CONFIG:$MODEL" = _3_frozen_lake:smollm2-135m ] && PPO+=(actor_rollout_ref.rollout.response_length=320)
 DATA="$OUT/data"; [ "$START" = nowm ] && DATA="$OUT/data_nowm"  # what the SFT trains on
 # Stages 1 and 2 as run_spa.sh runs them: the preset's SFT defaults (for smollm2-135m 2 epochs, packed attention).
-DATA_STAGE="$(python -m SPA_agent.stages data --config=_2_sokoban --model="$MODEL_PRESET" --generator="$GENERATOR" \
+DATA_STAGE="$(python -m SPA_agent.stages data --config="$CONFIG" --model="$MODEL_PRESET" --generator="$GENERATOR" \
     --output-dir="$OUT/data")" || exit 2
 mapfile -t DATA_STAGE <<< "$DATA_STAGE"
 # shellcheck disable=SC2206
-SFT_STAGE=(_2_sokoban "$SFT_GPUS" "$OUT/sft" "$DATA" "$MODEL" $MODEL_SFT_DEFAULTS ${SFT_OVERRIDES:-})
+SFT_STAGE=("$CONFIG" "$SFT_GPUS" "$OUT/sft" "$DATA" "$MODEL" $MODEL_SFT_DEFAULTS ${SFT_OVERRIDES:-})
 if [ "$START" = base ]; then
     START_MODEL="$(python -c "from SPA_agent.config import compose
-print(compose('_2_sokoban', ['model=$MODEL_PRESET']).model_path)")"  # the preset's model, as run_baseline.sh's
+print(compose('$CONFIG', ['model=$MODEL_PRESET']).model_path)")"  # the preset's model, as run_baseline.sh's
 else
     START_MODEL="$OUT/sft/global_step_N"  # stands in for the checkpoint stage 2 will make, in the check below
 fi
@@ -78,7 +88,7 @@ STAGES=()
 one_gpu=(); [ "$GPUS" -gt 0 ] && one_gpu=(NGPUS=1)
 while read -r name overrides; do
     # shellcheck disable=SC2086
-    STAGES+=("$(env "${one_gpu[@]}" SPA_PRINT_STAGE=1 BASE_DIR="$OUT/ppo" bash train_ppo_sfted.sh _2_sokoban \
+    STAGES+=("$(env "${one_gpu[@]}" SPA_PRINT_STAGE=1 BASE_DIR="$OUT/ppo" bash train_ppo_sfted.sh "$CONFIG" \
         "$START_MODEL" "$name" "${PPO[@]}" $overrides)")
 done <<< "$SETTINGS"
 check_stages "${STAGES[@]}"
@@ -88,7 +98,7 @@ rm -f "$OUT/logs/ready"  # a caller waiting for it must not see an earlier sweep
 [ "$MODEL" = smollm2-135m ] && python -m SPA_agent.smollm2 > "$OUT/logs/convert.log" 2>&1
 if [ "$START" != base ]; then
     python "${DATA_STAGE[@]}" > "$OUT/logs/data.log" 2>&1
-    [ "$START" = nowm ] && python -m SPA_agent.selfplay.without_worldmodel --config-name _2_sokoban "$OUT/data" \
+    [ "$START" = nowm ] && python -m SPA_agent.selfplay.without_worldmodel --config-name "$CONFIG" "$OUT/data" \
         "$DATA" model="$MODEL_PRESET" >> "$OUT/logs/data.log" 2>&1
     sft_placement=()  # the first SFT_GPUS of the sweep's GPUs
     [ "$GPUS" -gt 0 ] && sft_placement=(CUDA_VISIBLE_DEVICES="$(IFS=,; echo "${GPU_LIST[*]:0:$SFT_GPUS}")")
@@ -108,7 +118,7 @@ while read -r name overrides; do
     [ "$GPUS" -gt 0 ] && placement=(CUDA_VISIBLE_DEVICES="${GPU_LIST[$(( run % GPUS ))]}" NGPUS=1)
     echo "$name: ${placement[*]:-CPU}" >> "$OUT/logs/placement.txt"
     # shellcheck disable=SC2086
-    env "${placement[@]}" BASE_DIR="$OUT/ppo" bash train_ppo_sfted.sh _2_sokoban "$START_MODEL" "$name" "${PPO[@]}" \
+    env "${placement[@]}" BASE_DIR="$OUT/ppo" bash train_ppo_sfted.sh "$CONFIG" "$START_MODEL" "$name" "${PPO[@]}" \
         $overrides "${GATE[@]}" > "$OUT/logs/$name.log" 2>&1 &
     run=$(( run + 1 ))
 done <<< "$SETTINGS"

@@ -3,7 +3,8 @@
 # sweep logs, the pipelining gate's step benchmarks), gate.txt (the overrides the gate gave every arm) and each
 # sweep's logs and PPO runs without checkpoints (metrics.jsonl with the validations, config.yaml,
 # run_identity.json), its data cards and the SFT's metrics, config and truncation report. Prints each arm's last step
-# and its validation success so far. WORK: where job.sh wrote (/tmp).
+# and its validation success so far (`val-env/<env>/success`), for the runs of every config (job.sh's CONFIG: Sokoban,
+# FrozenLake), each arm named <config>/<arm> where there are several. WORK: where job.sh wrote (/tmp).
 cd "${WORK:-/tmp}" || exit 1
 paths=(out)
 [ -e gate.txt ] && paths+=(gate.txt)
@@ -15,16 +16,19 @@ for sweep in table2_wm table2_nowm table2_base; do
 done
 tar czf "$OUT/table2.tgz" --exclude='global_step_*' --exclude='*.pt' --exclude='*.safetensors' "${paths[@]}"
 ls -la "$OUT/table2.tgz"
-python - table2_*/ppo/_2_sokoban/*/metrics.jsonl <<'PY'
-import json, sys
-for path in sys.argv[1:]:
+python - table2_*/ppo/*/*/metrics.jsonl <<'PY'
+import json, os, sys
+paths = [path for path in sys.argv[1:] if os.path.exists(path)]  # not the pattern itself before the first run
+several = len({path.split("/")[2] for path in paths}) > 1  # table2_<start>/ppo/<config>/<arm>/metrics.jsonl
+for path in paths:
     records = []
     for line in open(path):
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:  # the line being written
             break
-    val = [f"{r['step']}:{r['val-env/SimpleSokoban/success']:.3f}" for r in records
-           if "val-env/SimpleSokoban/success" in r]
-    print(path.split("/")[-2], "step", records[-1]["step"] if records else "-", "val", " ".join(val))
+    val = [f"{r['step']}:{r[key]:.3f}" for r in records for key in r
+           if key.startswith("val-env/") and key.endswith("/success") and key.count("/") == 2]
+    name = "/".join(path.split("/")[2:4]) if several else path.split("/")[3]
+    print(name, "step", records[-1]["step"] if records else "-", "val", " ".join(val))
 PY

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 43: the paper's Table 2 rows for SmolLM2-135M-Instruct on SimpleSokoban, one lease (README.md beside this
-# file). Written for nvidia-h200-x2; uses every GPU of a larger host. The calling lease joins the SmolLM2 GGUF into
-# /tmp/smol.gguf, installs the CPU wheels (ray included) into /tmp/site and starts this script (setsid) from a copy
-# of the tree in /tmp/repo, as docs/results/smollm2_study2/job.sh:
+# file); CONFIG=_3_frozen_lake runs them on FrozenLake 4x4 instead (below). Written for nvidia-h200-x2; uses every
+# GPU of a larger host. The calling lease joins the SmolLM2 GGUF into /tmp/smol.gguf, installs the CPU wheels (ray
+# included) into /tmp/site and starts this script (setsid) from a copy of the tree in /tmp/repo, as
+# docs/results/smollm2_study2/job.sh:
 #   1. carry gguf part aa and the first wheels: mkdir -p /tmp/p && cp <part aa> <wheels>/* /tmp/p/
 #   2. carry part ab and the next wheels, the same way
 #   3. carry part ac and ray's wheels, then: cat /tmp/p/<parts> > /tmp/smol.gguf (check its sha256),
@@ -52,6 +53,11 @@
 # checkpoints and records are packed into RELAY_OUT (default $WORK/relay_out), parts of 15 MiB that relay_collect.sh
 # hands out four a call.
 #
+# CONFIG: the entry config of every sweep, _2_sokoban (SimpleSokoban, default) or _3_frozen_lake (FrozenLake 4x4); a
+# name without config/<name>.yaml is one line and exit status 2. The runs go to table2_<start>/ppo/$CONFIG/<arm>
+# (collect.sh's tarball and printout take every config's); the gate times the SPA arm on CONFIG too. On FrozenLake
+# SmolLM2's rollouts get 320 new tokens a turn, not the preset's 256 (smollm2_sweep.sh says why).
+#
 # Settings for a CPU check of the plumbing: MODEL=tiny STEPS=2 TEST_FREQ=1, OVERRIDES (added to every arm's, e.g.
 # shorter answers), SFT_OVERRIDES (the sweep's), REPO (the tree, /tmp/repo), WORK (where results go, /tmp) and
 # GATE_ARGS (more arguments of the gate's step benchmark: --smoke on CPU, which times the tiny model instead).
@@ -69,6 +75,12 @@ N=$(nvidia-smi --list-gpus 2>/dev/null | grep -c GPU)
 # The arms of this lease, each with its GPU (none on a CPU host).
 GATE="${GATE:-pipeline}"
 case "$GATE" in pipeline|off) ;; *) echo "error: GATE must be pipeline or off, got '$GATE'" >&2; exit 2 ;; esac
+if [ -n "${CONFIG:-}" ] && [ ! -f "config/$CONFIG.yaml" ]; then  # (the default is the tree's own)
+    echo "error: unknown CONFIG '$CONFIG' (no config/$CONFIG.yaml); choose _2_sokoban or _3_frozen_lake" >&2; exit 2
+fi
+export CONFIG="${CONFIG:-_2_sokoban}"
+CONFIG_PPO=""  # the rollouts' length smollm2_sweep.sh gives every FrozenLake arm, for the gate's step benchmark
+[ "$CONFIG:$MODEL" = _3_frozen_lake:smollm2-135m ] && CONFIG_PPO="actor_rollout_ref.rollout.response_length=320"
 case "${ARMS_PER_GPU:-3}" in
     ""|0|*[!0-9]*) echo "error: ARMS_PER_GPU takes a number >= 1, got '$ARMS_PER_GPU'" >&2; exit 2 ;;
 esac
@@ -93,7 +105,7 @@ else
 fi
 COUNT=$(grep -c . <<< "$CHOSEN")
 threads=$(( $(nproc) / (COUNT + 2) )); export OMP_NUM_THREADS=$(( threads > 0 ? threads : 1 ))  # arms + 2 SFTs
-p "gpus=$N arms=$(cut -d' ' -f1 <<< "$CHOSEN" | tr '\n' ' ')OMP_NUM_THREADS=$OMP_NUM_THREADS"
+p "config=$CONFIG gpus=$N arms=$(cut -d' ' -f1 <<< "$CHOSEN" | tr '\n' ' ')OMP_NUM_THREADS=$OMP_NUM_THREADS"
 if [ "$MODEL" = smollm2-135m ]; then python -m SPA_agent.smollm2 > "$O/convert.log" 2>&1; p "convert rc=$?"; fi
 if [ -n "${DEADLINE:-}" ] && [ "$N" -gt 0 ]; then  # a relay's SFTs must repeat bit for bit: first see that they do here
     python -m pytest -q -s -p no:cacheprovider tests/sft/test_sft_determinism.py -k gpu > "$O/determinism.log" 2>&1
@@ -148,7 +160,8 @@ gate() {
     while read -r name pipeline kept; do
         # shellcheck disable=SC2046,SC2086
         CUDA_VISIBLE_DEVICES=0 python benchmarks/smollm2_step.py --model-path "$(cat "$ready")" --steps 3 --no-val \
-            --json "$O/gate_$name.json" ${GATE_ARGS:-} $(grep '^spa_s0 ' <<< "$ALL" | cut -d' ' -f3-) ${OVERRIDES:-} \
+            --json "$O/gate_$name.json" --config "$CONFIG" ${GATE_ARGS:-} $CONFIG_PPO \
+            $(grep '^spa_s0 ' <<< "$ALL" | cut -d' ' -f3-) ${OVERRIDES:-} \
             agent_proxy.pipeline_turns=$pipeline generator.keep_decode_graphs=$kept > "$O/gate_$name.log" 2>&1 \
             || { p "gate: the step benchmark failed ($name, rc=$?): turn by turn"; return; }
     done <<< "turn_by_turn false false
@@ -196,7 +209,7 @@ fi
 wait
 p "sweeps done"
 if [ -n "${DEADLINE:-}" ]; then  # every run with a checkpoint, for the next lease
-    runs=$(cd "$WORK" && for run in table2_*/ppo/_2_sokoban/*/; do
+    runs=$(cd "$WORK" && for run in table2_*/ppo/"$CONFIG"/*/; do
         [ -e "$run/latest_checkpointed_iteration.txt" ] && echo "${run%/}"; done)
     # shellcheck disable=SC2086
     if [ -n "$runs" ] && python -m SPA_agent.runs.relay pack --root "$WORK" --out "$RELAY_OUT" $runs \
