@@ -6,8 +6,6 @@ one-line errors; SmolLM2's chat template through the context manager's token rol
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -188,12 +186,17 @@ def test_find_gguf_takes_the_cached_download_and_says_what_to_do_without_one(tin
     assert smollm2.find_gguf(tmp_path, download=False) == cached
 
 
-def test_a_missing_model_is_one_line_and_exit_2(tmp_path):
-    """An entry point asked for smollm2-135m where the file cannot be had: one line, no traceback."""
-    env = {"HOME": str(tmp_path), "PATH": "/usr/bin:/bin", smollm2.GGUF_ENV: str(tmp_path / "nowhere.gguf")}
-    done = subprocess.run([sys.executable, "-m", "SPA_agent.evaluate", "--config-name", "_2_sokoban",
-                           "model=smollm2-135m"], capture_output=True, text=True, env=env)
-    assert done.returncode == 2, done.stderr
-    assert done.stderr.strip().splitlines()[-1] == (
-        f"error: {smollm2.GGUF_ENV}={tmp_path / 'nowhere.gguf'} is not a file; point it to {smollm2.GGUF_FILE}")
-    assert "Traceback" not in done.stderr
+def test_a_missing_model_is_one_line_and_exit_2(tmp_path, monkeypatch, call_entry):
+    """An entry point asked for smollm2-135m where the file cannot be had: one line, no traceback. In this process
+    (the run_spa.sh and run_baseline.sh tests start the evaluation entry point as a process)."""
+    from SPA_agent import evaluate
+
+    # a home without a converted model, as a new machine has (the cache folder was read from HOME at import)
+    monkeypatch.setattr(smollm2, "DEFAULT_CACHE_DIR", tmp_path / ".cache" / "spa_agent")
+    for name, value in (("HOME", str(tmp_path)), ("PATH", "/usr/bin:/bin"),
+                        (smollm2.GGUF_ENV, str(tmp_path / "nowhere.gguf"))):
+        monkeypatch.setenv(name, value)
+    code, err = call_entry(evaluate, ["--config-name", "_2_sokoban", "model=smollm2-135m"])
+    assert code == 2, err
+    assert err == (
+        f"error: {smollm2.GGUF_ENV}={tmp_path / 'nowhere.gguf'} is not a file; point it to {smollm2.GGUF_FILE}\n")

@@ -4,7 +4,6 @@ fresh env, trajectory-level split, schema, determinism, resume and the data card
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pyarrow as pa
@@ -183,16 +182,17 @@ def test_schema_matches_docs():
 
 
 @pytest.mark.slow
-def test_cli_default_output_dir_and_usage_error(tmp_path, call_entry):
-    command = [sys.executable, "-m", "SPA_agent.generate_sft_data", "--config-name", "_3_frozen_lake", "model=tiny",
-               "generator=random", "data_gen.num_batches=1", f"output_root={tmp_path}"]
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
-    assert result.returncode == 0, result.stderr
-    out = tmp_path / "sftdata" / "_3_frozen_lake-tiny-text_with_coordinates"
-    assert all((out / name).is_file() for name in (*DATA_FILES, CARD_FILE, "config.yaml", "data_card.md"))
-    assert OmegaConf.load(out / "config.yaml").ctx_manager.mode == "add_worldmodel"
-    # the usage error from the same entry point, called in this process (the run above started it as a process)
+def test_cli_default_output_dir_and_usage_error(tmp_path, monkeypatch, capsys, call_entry):
+    """The command line's run and usage error, in this process (the run_spa.sh test starts the entry point as a
+    process)."""
     from SPA_agent import generate_sft_data
 
-    code, err = call_entry(generate_sft_data, [*command[3:-2], "data_gen.num_batches=0"])
+    argv = ["--config-name", "_3_frozen_lake", "model=tiny", "generator=random", "data_gen.num_batches=1"]
+    monkeypatch.setattr(sys, "argv", [generate_sft_data.__name__, *argv, f"output_root={tmp_path}"])
+    generate_sft_data.main()
+    out = tmp_path / "sftdata" / "_3_frozen_lake-tiny-text_with_coordinates"
+    assert f"data written to {out}" in capsys.readouterr().out
+    assert all((out / name).is_file() for name in (*DATA_FILES, CARD_FILE, "config.yaml", "data_card.md"))
+    assert OmegaConf.load(out / "config.yaml").ctx_manager.mode == "add_worldmodel"
+    code, err = call_entry(generate_sft_data, [*argv[:-1], "data_gen.num_batches=0"])
     assert code == 2 and "num_batches" in err and err.startswith("error: ") and err.count("\n") == 1
