@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import os
-import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -27,22 +26,25 @@ INTERPRETED = Path(__file__).with_name("interpreted_split_kv.py")
 #: the tests below that run interpreted_split_kv.py's tests of a marker (`slow` or not) in the child pytest
 INTERPRETED_TESTS = {"test_kernels_under_the_interpreter_equal_the_masked_reference": "not slow",
                      "test_decoder_under_the_interpreter_samples_what_its_cpu_attention_samples": "slow"}
+REPORT = "report.xml"
 
 
-@pytest.fixture(scope="module")
-def interpreted_outcomes(request, tmp_path_factory) -> dict[str, list[str]]:
+def _interpreted(directory: Path, tests: list[tuple[str, dict]]) -> dict:
     """interpreted_split_kv.py's tests in one child pytest with TRITON_INTERPRET=1 from its start (one interpreter
-    start for both tests below; the markers of those selected in this session): the outcomes of each child test
-    (`passed`, `failed`, `error` or `skipped`, one per parametrization), and its output under "output"."""
-    markers = sorted({INTERPRETED_TESTS[item.originalname] for item in request.session.items
-                      if getattr(item, "module", None) is request.module and item.originalname in INTERPRETED_TESTS})
-    report = tmp_path_factory.mktemp("interpreted") / "report.xml"
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", " or ".join(f"({m})" for m in markers),
-         f"--junitxml={report}", str(INTERPRETED)],
-        env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=INTERPRETED.parents[2], capture_output=True, text=True,
-        timeout=900,
-    )
+    start for both tests below; the markers of those selected in this session), beside the other tests
+    (tests/conftest.py, `background`); a junit report of its outcomes in `directory`."""
+    markers = sorted({INTERPRETED_TESTS[name] for name, _ in tests})
+    return {"args": [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                     "-m", " or ".join(f"({m})" for m in markers), f"--junitxml={directory / REPORT}",
+                     str(INTERPRETED)],
+            "env": {**os.environ, "TRITON_INTERPRET": "1"}, "cwd": INTERPRETED.parents[2], "timeout": 900}
+
+
+def interpreted_outcomes(background_run) -> dict[str, list[str]]:
+    """The outcomes of each child test (`passed`, `failed`, `error` or `skipped`, one per parametrization), and the
+    child's output under "output"."""
+    (result,), directory = background_run
+    report = directory / REPORT
     outcomes = {"output": [result.stdout[-6000:] + result.stderr[-3000:]]}
     for case in ET.parse(report).getroot().iter("testcase") if report.exists() else ():
         outcome = next((child.tag for child in case if child.tag in ("failure", "error", "skipped")), "passed")
@@ -58,13 +60,15 @@ def assert_interpreted_tests_passed(outcomes: dict[str, list[str]], marker: str)
         {name: outcomes.get(name) for name in names}, outcomes["output"][0])
 
 
-def test_kernels_under_the_interpreter_equal_the_masked_reference(interpreted_outcomes):
-    assert_interpreted_tests_passed(interpreted_outcomes, "not slow")
+@pytest.mark.background(command=_interpreted)
+def test_kernels_under_the_interpreter_equal_the_masked_reference(background_run):
+    assert_interpreted_tests_passed(interpreted_outcomes(background_run), "not slow")
 
 
 @pytest.mark.slow
-def test_decoder_under_the_interpreter_samples_what_its_cpu_attention_samples(interpreted_outcomes):
-    assert_interpreted_tests_passed(interpreted_outcomes, "slow")
+@pytest.mark.background(command=_interpreted)
+def test_decoder_under_the_interpreter_samples_what_its_cpu_attention_samples(background_run):
+    assert_interpreted_tests_passed(interpreted_outcomes(background_run), "slow")
 
 
 def test_unsupported_head_sizes_and_layouts_are_one_line_errors():
