@@ -40,11 +40,56 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+class DecoderPhases:
+    """The static decoder's prefill and decode loop timed apart (a device sync before and after each; the decoder
+    syncs at both ends of a call anyway), one record a decoder call: its rows, prompt lengths, prefill and decode
+    seconds and decode steps. Pipelined turns prefill inside their decode loop: there `decode_s` is absent and the
+    call's prefills are summed into `prefill_s`."""
+
+    def __init__(self, decoder):
+        self.decoder, self.calls = decoder, []
+        self._prefill, self._decode = decoder._prefill, decoder._decode
+        decoder._prefill, decoder._decode = self.prefill, self.decode
+
+    def prefill(self, state, prompts, lengths, *args, **kwargs):
+        sync()
+        start, steps = time.perf_counter(), self.decoder.stats.decode_steps
+        logits = self._prefill(state, prompts, lengths, *args, **kwargs)
+        sync()
+        host_lengths = lengths.tolist()
+        self.calls.append({"rows": len(host_lengths), "prompt_max": max(host_lengths),
+                           "prompt_mean": round(statistics.mean(host_lengths), 1),
+                           "prefill_s": round(time.perf_counter() - start, 4), "_steps": steps})
+        return logits
+
+    def decode(self, *args, **kwargs):
+        sync()
+        start = time.perf_counter()
+        tokens = self._decode(*args, **kwargs)
+        sync()
+        call = self.calls[-1]
+        call["decode_s"] = round(time.perf_counter() - start, 4)
+        call["decode_steps"] = self.decoder.stats.decode_steps - call["_steps"]
+        return tokens
+
+    def take(self) -> dict:
+        """Totals and per-call records since the last take."""
+        calls, self.calls = self.calls, []
+        for call in calls:
+            call.pop("_steps")
+        return {"prefill_s": round(sum(c["prefill_s"] for c in calls), 3),
+                "decode_s": round(sum(c.get("decode_s", 0.0) for c in calls), 3), "decoder_calls": calls}
+
+
 class TimedGenerator:
-    """The rollout's generator (the backend), with the seconds spent in it and the tokens it sampled."""
+    """The rollout's generator (the backend), with the seconds spent in it and the tokens it sampled; with the
+    static decoder, its prefill and decode loop apart (`DecoderPhases`)."""
 
     def __init__(self, inner):
         self.inner, self.seconds, self.calls, self.sequences, self.sampled = inner, 0.0, 0, 0, 0
+        generator = getattr(inner, "generator", None)
+        static = getattr(generator, "decoder", None) == "static"
+        self.phases = DecoderPhases(generator._static_decoder()) if static else None
 
     def generate(self, prompts):
         sync()
@@ -86,6 +131,8 @@ class TimedGenerator:
                        capture_s=round(stats.capture_s, 3))
             stats.prefill_tokens = stats.decode_steps = 0
             stats.capture_s = 0.0
+        if self.phases is not None:
+            row.update(self.phases.take())
         self.seconds, self.calls, self.sequences, self.sampled = 0.0, 0, 0, 0
         return row
 
@@ -198,8 +245,9 @@ def main() -> None:
     medians = {k: round(statistics.median(row.get(k, 0.0) for row in steady), 3) for k in phases}
     summary = {"metric": "summary", "steady_steps": len(steady), **medians,
                "total": round(statistics.median(row["timing_s/step"] for row in steady), 3),
-               **{k: statistics.median(row[k] for row in steady) for k in ("gen_model_s", "decode_steps",
-                                                                           "sampled_tokens", "prefill_tokens")
+               **{k: statistics.median(row[k] for row in steady) for k in ("gen_model_s", "prefill_s", "decode_s",
+                                                                           "decode_steps", "sampled_tokens",
+                                                                           "prefill_tokens")
                   if k in steady[0]},
                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                "torch": torch.__version__, "commit": _commit(), "overrides": args.override}

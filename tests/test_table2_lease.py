@@ -142,6 +142,14 @@ def test_the_gate_gives_every_arm_the_faster_setting_if_its_step_takes_at_least_
     assert len(decision) == 1 and decision[0].endswith(": " + chosen.get(gate, "turn by turn"))
 
 
+def test_gate_profile_goes_to_the_turn_by_turn_benchmark_alone(tmp_path):
+    run_job(tmp_path, GATE_PROFILE="--profile gen",
+            **{f"TOTAL_{name}": "10" for name in ("turn_by_turn", "pipelined", "kept_graphs")})
+    for name in ("turn_by_turn", "pipelined", "kept_graphs"):
+        args = json.loads((tmp_path / f"step_args_{name}").read_text())
+        assert ("--profile" in args and args[args.index("--profile") + 1] == "gen") == (name == "turn_by_turn")
+
+
 @pytest.mark.parametrize("arms, gpu_ids", [
     ("spa_s1 spa_s2 format_s1 format_s2", {"wm": "0 1", "nowm": "1 0"}),  # the two SFTs on GPUs 0 and 1
     ("", {"wm": "0 1 0", "nowm": "1 1", "base": "0"}),  # the first 3 x 2 arms

@@ -60,7 +60,9 @@
 #
 # Settings for a CPU check of the plumbing: MODEL=tiny STEPS=2 TEST_FREQ=1, OVERRIDES (added to every arm's, e.g.
 # shorter answers), SFT_OVERRIDES (the sweep's), REPO (the tree, /tmp/repo), WORK (where results go, /tmp) and
-# GATE_ARGS (more arguments of the gate's step benchmark: --smoke on CPU, which times the tiny model instead).
+# GATE_ARGS (more arguments of the gate's step benchmark: --smoke on CPU, which times the tiny model instead);
+# GATE_PROFILE adds arguments to the gate's turn-by-turn benchmark alone (--profile gen: one more rollout under
+# torch's profiler, its operator tables in out/gate_turn_by_turn.log; ~30 s more).
 REPO="${REPO:-/tmp/repo}"; WORK="${WORK:-/tmp}"; O="$WORK/out"
 export PYTHONPATH="/tmp/site:$REPO" SPA_SMOLLM2_GGUF=/tmp/smol.gguf PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1 NCCL_NVLS_ENABLE=0 PATH="/tmp/site/bin:$PATH"
@@ -161,6 +163,7 @@ gate() {
         # shellcheck disable=SC2046,SC2086
         CUDA_VISIBLE_DEVICES=0 python benchmarks/smollm2_step.py --model-path "$(cat "$ready")" --steps 3 --no-val \
             --json "$O/gate_$name.json" --config "$CONFIG" ${GATE_ARGS:-} $CONFIG_PPO \
+            $([ "$name" = turn_by_turn ] && echo "${GATE_PROFILE:-}") \
             $(grep '^spa_s0 ' <<< "$ALL" | cut -d' ' -f3-) ${OVERRIDES:-} \
             agent_proxy.pipeline_turns=$pipeline generator.keep_decode_graphs=$kept > "$O/gate_$name.log" 2>&1 \
             || { p "gate: the step benchmark failed ($name, rc=$?): turn by turn"; return; }
