@@ -171,6 +171,19 @@ def test_keep_decode_graphs_setting_is_read_and_checked(varied_model, tiny_token
         check_config(compose("_2_sokoban", ["model=tiny", "generator.keep_decode_graphs=yes"]))
 
 
+@pytest.mark.parametrize("model, kept", [("smollm2-135m", True), ("tiny", False), ("qwen2.5-0.5b", False)])
+def test_the_generator_keeps_decode_graphs_where_the_model_preset_says(model, kept):
+    """The setting follows actor_rollout_ref.rollout.keep_decode_graphs, which SmolLM2's preset alone turns on; a
+    command-line value of either key wins."""
+    from SPA_agent.config import compose
+
+    assert compose("_2_sokoban", [f"model={model}"]).generator.keep_decode_graphs is kept
+    assert compose("_2_sokoban", [f"model={model}", f"actor_rollout_ref.rollout.keep_decode_graphs={not kept}"]
+                   ).generator.keep_decode_graphs is (not kept)
+    assert compose("_2_sokoban", [f"model={model}", f"generator.keep_decode_graphs={not kept}"]
+                   ).generator.keep_decode_graphs is (not kept)
+
+
 #: consecutive calls of the CPU tests of reads: the second is shorter than the buffer the first allocated and has
 #: padding rows
 READ_CALLS = [[40, 3, 12, 1], [5, 2, 9, 1, 20]]
