@@ -1,7 +1,7 @@
 """Issue 43's Table 2 lease (docs/results/smollm2_table2): its arms are the rows' recipe, three seeds each, in the
 priority order the lease runs them, and every arm's PPO config composes for SmolLM2 and passes the PPO checks. Its
-pipelining gate: a sweep with WAIT_FOR adds the gate file's overrides to every arm, and job.sh writes the gate from
-the two step benchmarks (stubbed here: no model runs), or an empty one when it cannot time them."""
+speed gate: a sweep with WAIT_FOR adds the gate file's overrides to every arm, and job.sh writes the gate from
+the step benchmarks of its variants (stubbed here: no model runs), or an empty one when it cannot time the baseline."""
 
 from __future__ import annotations
 
@@ -98,10 +98,11 @@ cp "$WAIT_FOR" "$OUT/logs/gate_seen"
 """
 STEP_STUB = """import json, os, sys
 args = sys.argv[1:]
-name = {"true false": "pipelined", "false true": "kept_graphs", "false false": "turn_by_turn"}[
-    " ".join(arg.split("=")[1] for arg in args[-2:])]
+name = os.path.basename(args[args.index("--json") + 1])[len("gate_"):-len(".json")]
 open(os.environ["STEP_ARGS"] + name, "w").write(json.dumps(args))
 total = float(os.environ["TOTAL_" + name])
+if total < 0:
+    sys.exit(1)  # a failed benchmark
 summary = {"metric": "summary", "timing_s/gen": total - 1, "total": total}
 open(args[args.index("--json") + 1], "w").write(json.dumps([summary]))
 """
@@ -122,32 +123,58 @@ def run_job(tmp_path: Path, **env: str) -> tuple[Path, Path]:
     return work, work / "out"
 
 
-@pytest.mark.parametrize("totals, gate", [((10.0, 9.0, 9.5), "agent_proxy.pipeline_turns=true"),
-                                         ((10.0, 9.5, 8.0), "generator.keep_decode_graphs=true"),
-                                         ((10.0, 9.5, 9.2), "")],
-                         ids=["pipelined_10pc_less", "kept_graphs_fastest", "none_10pc_less"])
-def test_the_gate_gives_every_arm_the_faster_setting_if_its_step_takes_at_least_10_percent_less(tmp_path, totals,
-                                                                                               gate):
-    work, out = run_job(tmp_path, **{f"TOTAL_{name}": str(total)
-                                     for name, total in zip(("turn_by_turn", "pipelined", "kept_graphs"), totals)})
+#: the gate's variants in these tests (GATE_VARIANTS): the baseline first
+VARIANTS = {"base_line": "", "fast_a": "agent_proxy.pipeline_turns=true generator.reuse_prefix_cache=true",
+            "fast_b": "critic.ppo_max_token_len_per_gpu=32768"}
+
+
+def run_gated_job(tmp_path: Path, totals: tuple[float, float, float], **env: str) -> tuple[Path, Path]:
+    """run_job with VARIANTS as the gate's variants, each benchmark's step taking its `totals` seconds (< 0: fails)."""
+    variants = tmp_path / "variants.txt"
+    variants.write_text("# a comment line\n" + "".join(f"{name} {overrides}\n" for name, overrides in VARIANTS.items()))
+    return run_job(tmp_path, GATE_VARIANTS=str(variants),
+                   **{f"TOTAL_{name}": str(total) for name, total in zip(VARIANTS, totals)}, **env)
+
+
+@pytest.mark.parametrize("totals, chosen", [((10.0, 9.0, 9.5), "fast_a"), ((10.0, 9.5, 8.0), "fast_b"),
+                                           ((10.0, 9.5, 9.2), "base_line"), ((10.0, -1, 8.5), "fast_b"),
+                                           ((-1, 5.0, 5.0), None)],
+                         ids=["a_10pc_less", "b_fastest", "none_10pc_less", "a_fails", "baseline_fails"])
+def test_the_gate_gives_every_arm_the_fastest_variant_if_its_step_takes_at_least_10_percent_less(tmp_path, totals,
+                                                                                                chosen):
+    work, out = run_gated_job(tmp_path, totals)
+    gate = VARIANTS.get(chosen, "")
     assert (work / "gate.txt").read_text() == gate + "\n"
     for start in ("wm", "nowm", "base"):
         assert (work / f"table2_{start}" / "logs" / "gate_seen").read_text() == gate + "\n"
-    for name in ("turn_by_turn", "pipelined", "kept_graphs"):
+    for name, overrides in VARIANTS.items():
         args = json.loads((tmp_path / f"step_args_{name}").read_text())
         assert args[args.index("--model-path") + 1] == str(work / "table2_wm" / "sft" / "global_step_2")
         assert "ctx_manager.mode=add_worldmodel" in args and "critic.optim.lr=1e-4" in args
-    decision = [line for line in (out / "progress.txt").read_text().splitlines() if "turn by turn 10.0 s" in line]
-    chosen = {"agent_proxy.pipeline_turns=true": "pipelined", "generator.keep_decode_graphs=true": "kept graphs"}
-    assert len(decision) == 1 and decision[0].endswith(": " + chosen.get(gate, "turn by turn"))
+        assert args[len(args) - len(overrides.split()):] == overrides.split()  # the variant's overrides come last
+    progress = (out / "progress.txt").read_text()
+    decision = [line for line in progress.splitlines() if "gate: a step" in line]
+    assert len(decision) == 1
+    assert decision[0].endswith(f": {chosen}" if chosen else ": no timing of the baseline (base_line), so the baseline")
+    for name, total in zip(VARIANTS, totals):
+        assert (f"{name} {total} s" in decision[0]) == (total >= 0)
+        assert (f"the step benchmark failed ({name}, rc=1): left out" in progress) == (total < 0)
 
 
-def test_gate_profile_goes_to_the_turn_by_turn_benchmark_alone(tmp_path):
-    run_job(tmp_path, GATE_PROFILE="--profile gen",
-            **{f"TOTAL_{name}": "10" for name in ("turn_by_turn", "pipelined", "kept_graphs")})
-    for name in ("turn_by_turn", "pipelined", "kept_graphs"):
+def test_the_default_variants_compose_for_the_spa_arm_and_the_baseline_is_the_config(tmp_path):
+    lines = [line.split() for line in (HERE / "gate_variants.txt").read_text().splitlines()
+             if line.strip() and not line.startswith("#")]
+    assert lines[0] == ["default"]
+    spa = next(overrides for name, _, overrides in arms() if name == "spa_s0")
+    for _, *overrides in lines:
+        check_config(compose("_2_sokoban", ["model=smollm2-135m", *SWEEP, *spa, *overrides]))
+
+
+def test_gate_profile_goes_to_the_baseline_benchmark_alone(tmp_path):
+    run_gated_job(tmp_path, (10.0, 10.0, 10.0), GATE_PROFILE="--profile gen")
+    for name in VARIANTS:
         args = json.loads((tmp_path / f"step_args_{name}").read_text())
-        assert ("--profile" in args and args[args.index("--profile") + 1] == "gen") == (name == "turn_by_turn")
+        assert ("--profile" in args and args[args.index("--profile") + 1] == "gen") == (name == "base_line")
 
 
 @pytest.mark.parametrize("arms, gpu_ids", [
@@ -159,8 +186,7 @@ def test_two_gpus_take_the_arms_round_robin_and_the_two_sfts_one_each(tmp_path, 
     bin_dir.mkdir()
     (bin_dir / "nvidia-smi").write_text('#!/usr/bin/env bash\nprintf "GPU 0: H200\\nGPU 1: H200\\n"\n')
     (bin_dir / "nvidia-smi").chmod(0o755)
-    work, _ = run_job(tmp_path, ARMS=arms, PATH=f"{bin_dir}{os.pathsep}{ENV['PATH']}",
-                      **{f"TOTAL_{name}": "10" for name in ("turn_by_turn", "pipelined", "kept_graphs")})
+    work, _ = run_gated_job(tmp_path, (10.0, 10.0, 10.0), ARMS=arms, PATH=f"{bin_dir}{os.pathsep}{ENV['PATH']}")
     assert {start: (work / f"table2_{start}" / "logs" / "gpu_ids").read_text().strip()
             for start in ("wm", "nowm", "base") if (work / f"table2_{start}").exists()} == gpu_ids
 

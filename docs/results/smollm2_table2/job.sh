@@ -31,14 +31,14 @@
 #
 # GATE: pipeline (default) or off. With pipeline, the sweeps wait, after their SFTs, for $WORK/gate.txt
 # (smollm2_sweep.sh's WAIT_FOR); once every sweep is ready (or has exited), the job times 3 PPO steps of the SPA arm
-# (benchmarks/smollm2_step.py from the wm sweep's SFT checkpoint, spa_s0's overrides, add_worldmodel) three ways, one
-# after the other on the otherwise idle GPU 0: turn by turn, with agent_proxy.pipeline_turns=true and with
-# generator.keep_decode_graphs=true; every arm gets the faster of the two settings if its step took at least 10%
-# less than turn by turn's (the decision, the steps' and their gen's seconds in progress.txt; the benchmarks' logs
-# and JSON in out/gate_{turn_by_turn,pipelined,kept_graphs}.*). No wm sweep among the arms, no SFT checkpoint or a
-# failed benchmark: every arm turn by turn. Every arm, the Vanilla RL ones too, then starts after both SFTs and the
-# timing (an ESTIMATE: ~1 minute a benchmark). off: no timing, every arm turn by turn and as soon as its sweep is
-# ready (Vanilla RL at once).
+# (benchmarks/smollm2_step.py from the wm sweep's SFT checkpoint, spa_s0's overrides, add_worldmodel) once for each
+# line of GATE_VARIANTS (default gate_variants.txt beside this file: "<name> <overrides>", the first the baseline),
+# one after the other on the otherwise idle GPU 0; every arm gets the fastest variant's overrides if its step took
+# at least 10% less than the baseline's (the decision, the steps' and their gen's seconds in progress.txt; the
+# benchmarks' logs and JSON in out/gate_<name>.*). A failed variant is left out; no wm sweep among the arms, no SFT
+# checkpoint or no timing of the baseline: every arm with the baseline. Every arm, the Vanilla RL ones too, then
+# starts after both SFTs and the timing (~1 minute a variant). off: no timing, every arm with the baseline (the
+# config's defaults) as soon as its sweep is ready (Vanilla RL at once).
 #
 # Relay (docs/relay.md): runs longer than a lease, carried from lease to lease as LoRA adapters. DEADLINE (epoch
 # seconds by which every arm must have stopped with a checkpoint) turns it on; it needs GATE=off (a run resumes only
@@ -61,8 +61,8 @@
 # Settings for a CPU check of the plumbing: MODEL=tiny STEPS=2 TEST_FREQ=1, OVERRIDES (added to every arm's, e.g.
 # shorter answers), SFT_OVERRIDES (the sweep's), REPO (the tree, /tmp/repo), WORK (where results go, /tmp) and
 # GATE_ARGS (more arguments of the gate's step benchmark: --smoke on CPU, which times the tiny model instead);
-# GATE_PROFILE adds arguments to the gate's turn-by-turn benchmark alone (--profile gen: one more rollout under
-# torch's profiler, its operator tables in out/gate_turn_by_turn.log; ~30 s more).
+# GATE_PROFILE adds arguments to the gate's baseline benchmark alone (--profile gen: one more rollout under torch's
+# profiler, its operator tables in out/gate_<baseline>.log; ~30 s more).
 REPO="${REPO:-/tmp/repo}"; WORK="${WORK:-/tmp}"; O="$WORK/out"
 export PYTHONPATH="/tmp/site:$REPO" SPA_SMOLLM2_GGUF=/tmp/smol.gguf PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1 NCCL_NVLS_ENABLE=0 PATH="/tmp/site/bin:$PATH"
@@ -88,6 +88,8 @@ case "${ARMS_PER_GPU:-3}" in
 esac
 ARMS_FILE="${ARMS_FILE:-$HERE/arms.txt}"
 [ -f "$ARMS_FILE" ] || { echo "error: ARMS_FILE $ARMS_FILE does not exist" >&2; exit 2; }
+GATE_VARIANTS="${GATE_VARIANTS:-$HERE/gate_variants.txt}"
+[ -f "$GATE_VARIANTS" ] || { echo "error: GATE_VARIANTS $GATE_VARIANTS does not exist" >&2; exit 2; }
 RELAY_IN="${RELAY_IN:-$WORK/relay_in}"; RELAY_OUT="${RELAY_OUT:-$WORK/relay_out}"; MARGIN="${MARGIN:-150}"
 if [ -n "${DEADLINE:-}" ]; then
     case "$DEADLINE$MARGIN" in *[!0-9]*) echo "error: DEADLINE and MARGIN take whole seconds" >&2; exit 2 ;; esac
@@ -152,35 +154,45 @@ for start in wm nowm base; do
     SWEEP_PID[$start]=$!
 done
 
-# gate FILE: into FILE every arm's extra overrides, one line (empty: turn by turn), from timing the SPA arm's PPO step
-# both ways; its decision into progress.txt.
+# gate FILE: into FILE every arm's extra overrides, one line (empty: the baseline's, GATE_VARIANTS' first line), from
+# timing the SPA arm's PPO step with each variant; its decision into progress.txt. A variant whose benchmark fails
+# is left out; without the baseline's timing the gate is empty.
 gate() {
-    local file="$1" ready="$WORK/table2_wm/logs/ready" name pipeline kept
+    local file="$1" ready="$WORK/table2_wm/logs/ready" name overrides profile="${GATE_PROFILE:-}"
     : > "$file"
-    if [ -z "${SWEEP_PID[wm]:-}" ]; then p "gate: no wm sweep among the arms, no timing: turn by turn"; return; fi
-    if [ ! -s "$ready" ]; then p "gate: the wm sweep exited before its SFT was done: turn by turn"; return; fi
-    while read -r name pipeline kept; do
+    if [ -z "${SWEEP_PID[wm]:-}" ]; then p "gate: no wm sweep among the arms, no timing: the baseline"; return; fi
+    if [ ! -s "$ready" ]; then p "gate: the wm sweep exited before its SFT was done: the baseline"; return; fi
+    while read -r name overrides; do
         # shellcheck disable=SC2046,SC2086
         CUDA_VISIBLE_DEVICES=0 python benchmarks/smollm2_step.py --model-path "$(cat "$ready")" --steps 3 --no-val \
-            --json "$O/gate_$name.json" --config "$CONFIG" ${GATE_ARGS:-} $CONFIG_PPO \
-            $([ "$name" = turn_by_turn ] && echo "${GATE_PROFILE:-}") \
-            $(grep '^spa_s0 ' <<< "$ALL" | cut -d' ' -f3-) ${OVERRIDES:-} \
-            agent_proxy.pipeline_turns=$pipeline generator.keep_decode_graphs=$kept > "$O/gate_$name.log" 2>&1 \
-            || { p "gate: the step benchmark failed ($name, rc=$?): turn by turn"; return; }
-    done <<< "turn_by_turn false false
-pipelined true false
-kept_graphs false true"
-    p "$(python - "$O" "$file" <<'PY'
+            --json "$O/gate_$name.json" --config "$CONFIG" ${GATE_ARGS:-} $profile $CONFIG_PPO \
+            $(grep '^spa_s0 ' <<< "$ALL" | cut -d' ' -f3-) ${OVERRIDES:-} $overrides > "$O/gate_$name.log" 2>&1 \
+            || p "gate: the step benchmark failed ($name, rc=$?): left out"
+        profile=""  # the baseline's run alone is profiled
+    done < <(grep -v -e '^#' -e '^[[:space:]]*$' "$GATE_VARIANTS")
+    p "$(python - "$O" "$file" "$GATE_VARIANTS" <<'PY'
 import json, sys
-out, gate = sys.argv[1:3]
-steps = {name: [r for r in json.load(open(f"{out}/gate_{name}.json")) if r["metric"] == "summary"][0]
-         for name in ("turn_by_turn", "pipelined", "kept_graphs")}
-settings = {"pipelined": "agent_proxy.pipeline_turns=true", "kept_graphs": "generator.keep_decode_graphs=true"}
-best = min(settings, key=lambda name: steps[name]["total"])
-chosen = best if steps[best]["total"] <= 0.9 * steps["turn_by_turn"]["total"] else "turn_by_turn"  # >= 10% less
-open(gate, "w").write(settings.get(chosen, "") + "\n")
-print("gate: a step (its gen) " + ", ".join(f"{name.replace('_', ' ')} {step['total']} s ({step['timing_s/gen']} s)"
-                                             for name, step in steps.items()) + f": {chosen.replace('_', ' ')}")
+from pathlib import Path
+out, gate, variants = sys.argv[1:4]
+lines = [line.split(maxsplit=1) for line in Path(variants).read_text().splitlines()
+         if line.strip() and not line.startswith("#")]
+overrides = {words[0]: words[1] if len(words) > 1 else "" for words in lines}
+baseline = lines[0][0]
+steps = {}
+for name in overrides:
+    path = Path(out) / f"gate_{name}.json"
+    if path.exists():
+        steps[name] = [r for r in json.loads(path.read_text()) if r["metric"] == "summary"][0]
+others = [name for name in steps if name != baseline]
+chosen = baseline
+if baseline in steps and others:
+    best = min(others, key=lambda name: steps[name]["total"])
+    if steps[best]["total"] <= 0.9 * steps[baseline]["total"]:  # >= 10% less
+        chosen = best
+open(gate, "w").write((overrides[chosen] if baseline in steps else "") + "\n")
+print("gate: a step (its gen) " + ", ".join(f"{name} {step['total']} s ({step['timing_s/gen']} s)"
+                                             for name, step in steps.items())
+      + (f": {chosen}" if baseline in steps else f": no timing of the baseline ({baseline}), so the baseline"))
 PY
 )"
 }
