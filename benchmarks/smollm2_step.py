@@ -5,10 +5,10 @@ The real pipeline (config `_2_sokoban model=smollm2-135m`, or --config's, the ba
 the config's batch of 32 groups × 8), built as `main_ppo` builds it, from --model-path (an SFT checkpoint, or
 `smollm2-135m` for the base model). Runs --steps PPO steps, then one validation of 128 puzzles × --val-samples;
 prints one JSON line per step with every phase's seconds (`timing_s/<phase>`, the trainer's own), the generator's
-calls, prefill tokens, decode steps, sampled tokens and CUDA-graph capture time, and the time inside the generator
-(`gen_model_s`, the rest of `gen` is the rollout's host work: prompts, parsing, env steps, the batch). The summary
-line holds the median of each phase over the steady steps (all but the first), their sum (`total`) and the
-validation's seconds.
+calls, prefill tokens (and those reused from the cache: generator.reuse_prefix_cache), decode steps, sampled tokens
+and CUDA-graph capture time, and the time inside the generator (`gen_model_s`, the rest of `gen` is the rollout's
+host work: prompts, parsing, env steps, the batch). The summary line holds the median of each phase over the steady
+steps (all but the first), their sum (`total`) and the validation's seconds.
 
     python benchmarks/smollm2_step.py --model-path <sft checkpoint> --steps 4 --json out.json
     python benchmarks/smollm2_step.py --model-path <dir> --profile step   # + operator tables of one more step
@@ -127,9 +127,9 @@ class TimedGenerator:
         row = {"gen_model_s": round(self.seconds, 3), "gen_calls": self.calls, "gen_sequences": self.sequences,
                "sampled_tokens": self.sampled}
         if stats is not None:
-            row.update(prefill_tokens=stats.prefill_tokens, decode_steps=stats.decode_steps,
-                       capture_s=round(stats.capture_s, 3))
-            stats.prefill_tokens = stats.decode_steps = 0
+            row.update(prefill_tokens=stats.prefill_tokens, reused_tokens=stats.reused_tokens,
+                       decode_steps=stats.decode_steps, capture_s=round(stats.capture_s, 3))
+            stats.prefill_tokens = stats.reused_tokens = stats.decode_steps = 0
             stats.capture_s = 0.0
         if self.phases is not None:
             row.update(self.phases.take())
@@ -247,7 +247,7 @@ def main() -> None:
                "total": round(statistics.median(row["timing_s/step"] for row in steady), 3),
                **{k: statistics.median(row[k] for row in steady) for k in ("gen_model_s", "prefill_s", "decode_s",
                                                                            "decode_steps", "sampled_tokens",
-                                                                           "prefill_tokens")
+                                                                           "prefill_tokens", "reused_tokens")
                   if k in steady[0]},
                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                "torch": torch.__version__, "commit": _commit(), "overrides": args.override}

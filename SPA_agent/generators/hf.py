@@ -171,6 +171,7 @@ class HFGenerator:
         liger_kernels: bool | str = False,
         decode_attention: str = "auto",
         keep_decode_graphs: bool = False,
+        reuse_prefix_cache: bool = False,
     ):
         if batch_size is not None and batch_size != "auto" and (not isinstance(batch_size, int) or batch_size < 1):
             raise ValueError(f"generator.batch_size must be a positive integer, auto or null, got {batch_size!r}")
@@ -201,6 +202,8 @@ class HFGenerator:
         self.decode_attention = split_kv_decode.resolve(str(decode_attention), next(model.parameters()).device)
         # the static decoder keeps its KV buffer and CUDA graphs between calls (static_decode.py, keep_graphs)
         self.keep_decode_graphs = keep_decode_graphs
+        # pipelined turns prefill a row's next prompt past what its cache holds already (turn_pipeline.py)
+        self.reuse_prefix_cache = reuse_prefix_cache
         self._static = None
         self._calls = 0
 
@@ -221,6 +224,7 @@ class HFGenerator:
             liger_kernels=cfg.get("liger_kernels", False),
             decode_attention=str(cfg.get("decode_attention", "auto")),
             keep_decode_graphs=bool(cfg.get("keep_decode_graphs", False)),
+            reuse_prefix_cache=bool(cfg.get("reuse_prefix_cache", False)),
         )
 
     @property
@@ -288,7 +292,8 @@ class HFGenerator:
 
             self._static = PipelinedDecoder(self.model, self.stop_ids, self.pad_id, use_cuda_graphs=self.cuda_graphs,
                                             compile_step=self.compile_decode_step, attention=self.decode_attention,
-                                            keep_graphs=self.keep_decode_graphs)
+                                            keep_graphs=self.keep_decode_graphs,
+                                            reuse_prefix_cache=self.reuse_prefix_cache)
         return self._static
 
     def _kernels(self) -> contextlib.AbstractContextManager:

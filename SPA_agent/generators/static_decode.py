@@ -69,6 +69,9 @@ ATTENTION_NAME = "spa_decode_attention"
 #: (B+1,) int32 of the grouped queries, b·G, cu_seqlens_k (B+1,) int32, b·L, the kernel: one of ATTENTION_KERNELS),
 #: see `flash_decode`
 DECODE_KWARG = "spa_decode"
+#: keyword argument of a suffix prefill (a `SuffixPrefill`): prompt suffixes packed into one sequence, each attending to
+#: its cache row's keys before it (turn_pipeline.py, generator.reuse_prefix_cache), see `suffix_attention`
+SUFFIX_KWARG = "spa_suffix"
 #: decode attention kernels: `flash` (flash attention's variable-length forward where it runs, masked SDPA elsewhere)
 #: or `split_kv` (split_kv_decode.py, Triton)
 ATTENTION_KERNELS = ("flash", "split_kv")
@@ -100,12 +103,16 @@ def decode_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     """Attention for the static decoder, registered in transformers' AttentionInterface.
 
     Prefill (several query tokens; `spa_decode` absent): the chunk's own right-padded rows, causal SDPA.
+    Suffix prefill (`spa_suffix` given): packed prompt suffixes against their rows of the cache (`suffix_attention`).
     Decode (one query token, `spa_decode` given): query (B, H, 1, D) against the whole cache, key/value
     (B, L, H_kv, D); row b attends to its first kv_lengths[b] keys. Returns (B, q, H, D) and no attention weights,
     as transformers' attention functions do.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    suffix = kwargs.get(SUFFIX_KWARG)
+    if suffix is not None:
+        return suffix_attention(query, key, value, suffix, scaling), None
     decode = kwargs.get(DECODE_KWARG)
     if decode is None:
         return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling)
@@ -163,6 +170,82 @@ def masked_decode(query, key, value, kv_lengths, scaling=None) -> torch.Tensor:
     return output.reshape(batch, heads, 1, head_dim).transpose(1, 2)
 
 
+@dataclass
+class SuffixPrefill:
+    """Prompt suffixes packed into one sequence (SUFFIX_KWARG): suffix i is its prompt's positions
+    [offsets[i], ends[i]), prefilled into cache row rows[i], which already holds the prompt's keys [0, offsets[i]).
+    Rows ascending (so the flat cache starts in `cu_k` ascend, as flash attention's offsets do)."""
+
+    rows: list[int]
+    offsets: list[int]
+    ends: list[int]
+    positions: torch.Tensor  # (1, T) the packed tokens' positions in their prompts
+    writes: torch.Tensor  # (T,) their flat cache positions, rows[i]·L + position
+    cu_q: torch.Tensor  # (n+1,) int32: suffix i is packed tokens [cu_q[i], cu_q[i+1])
+    cu_k: torch.Tensor  # (n+1,) int32: row rows[i] starts at flat key cu_k[i] (= rows[i]·L; the last, its row's end)
+    used_k: torch.Tensor  # (n,) int32: the keys suffix i reads, ends[i]
+    longest_suffix: int
+    longest_prompt: int
+
+    @classmethod
+    def build(cls, rows: list[int], offsets: list[int], ends: list[int], max_len: int,
+              device: torch.device) -> SuffixPrefill:
+        positions = torch.cat([torch.arange(offset, end) for offset, end in zip(offsets, ends)])
+        counts = torch.tensor([end - offset for offset, end in zip(offsets, ends)])
+        row_starts = torch.tensor(rows) * max_len
+        cu_q = F.pad(counts.cumsum(0), (1, 0))
+        cu_k = torch.cat([row_starts, row_starts[-1:] + max_len])
+        return cls(rows, offsets, ends, positions[None].to(device),
+                   (row_starts.repeat_interleave(counts) + positions).to(device),
+                   cu_q.to(device, torch.int32), cu_k.to(device, torch.int32),
+                   torch.tensor(ends, dtype=torch.int32, device=device), int(counts.max()), max(ends))
+
+    @property
+    def last_tokens(self) -> torch.Tensor:
+        """(n,) the packed index of each suffix's last token (its prompt's last position)."""
+        return self.cu_q[1:].long() - 1
+
+
+def suffix_attention(query, key, value, suffix: SuffixPrefill, scaling=None) -> torch.Tensor:
+    """Attention of a suffix prefill: query (1, H, T, D), the packed suffixes; key/value the cache (B, L, H_kv, D),
+    the suffixes' own keys already written. The query at position j of row r attends to the row's keys [0, j]:
+    causal, aligned to the row's last key (bottom right). On an Ampere or newer CUDA GPU in half precision
+    (`uses_flash_decode`): flash attention's variable-length kernel, one call for every suffix, reading the keys in
+    place (`flash_suffix`); elsewhere (CPU, float32) one masked SDPA call per suffix (`masked_suffix`).
+    Returns (1, T, H, D)."""
+    if uses_flash_decode(query):
+        return flash_suffix(query, key, value, suffix, scaling)
+    return masked_suffix(query, key, value, suffix, scaling)
+
+
+def flash_suffix(query, key, value, suffix: SuffixPrefill, scaling=None) -> torch.Tensor:
+    """`suffix_attention` by flash attention's variable-length forward: suffix i's queries are packed rows
+    [cu_q[i], cu_q[i+1]), its keys the first ends[i] of its cache row (seqused_k), and `is_causal` with fewer queries
+    than keys aligns the mask to the bottom right, so query j of the suffix reads keys [0, offsets[i] + j]."""
+    rows, length, kv_heads, head_dim = key.shape
+    output = torch.ops.aten._flash_attention_forward(
+        query[0].transpose(0, 1), key.view(rows * length, kv_heads, head_dim),
+        value.view(rows * length, kv_heads, head_dim), suffix.cu_q, suffix.cu_k, suffix.longest_suffix,
+        suffix.longest_prompt, 0.0, True, False, scale=scaling, seqused_k=suffix.used_k,
+    )[0]
+    return output[None]
+
+
+def masked_suffix(query, key, value, suffix: SuffixPrefill, scaling=None) -> torch.Tensor:
+    """`suffix_attention` on any device: per suffix, one SDPA call of its queries against its row's first ends[i]
+    keys, key k visible to the query at position j where k <= j."""
+    outputs, start = [], 0
+    for row, offset, end in zip(suffix.rows, suffix.offsets, suffix.ends):
+        queries = query[0, :, start : start + end - offset]  # (H, s, D)
+        visible = torch.arange(end, device=key.device) <= torch.arange(offset, end, device=key.device)[:, None]
+        output = F.scaled_dot_product_attention(queries, key[row, :end].transpose(0, 1),
+                                                value[row, :end].transpose(0, 1), attn_mask=visible,
+                                                scale=scaling, enable_gqa=True)
+        outputs.append(output.transpose(0, 1))
+        start += end - offset
+    return torch.cat(outputs)[None]
+
+
 def _register_attention() -> None:
     from transformers import AttentionInterface
 
@@ -216,13 +299,16 @@ class StaticKVCache(_cache_base()):
     Implements the part of transformers' Cache API that attention layers use (`update`); it subclasses `Cache`
     only so that type checks in model code accept it, and initialises none of its dynamic state.
     While `prefill_rows` is set (row indices), the prompts' keys/values go to those rows at positions [0, P) and are
-    returned as they are; a decode step writes row b's key/value at flat position `write_rows[b]` = b·L + its
-    position (a (B,) tensor, updated in place between CUDA-graph replays) and returns the buffers.
+    returned as they are; while `packed_writes` is set (a suffix prefill, `SuffixPrefill.writes`), the packed
+    tokens' keys/values go to those flat positions and the buffers are returned; a decode step writes row b's
+    key/value at flat position `write_rows[b]` = b·L + its position (a (B,) tensor, updated in place between
+    CUDA-graph replays) and returns the buffers.
     """
 
     def __init__(self, batch: int, storage: KVStorage, write_rows: torch.Tensor):
         self.batch, self.max_len, self.storage, self.write_rows = batch, storage.max_len, storage, write_rows
         self.prefill_rows: torch.Tensor | None = None
+        self.packed_writes: torch.Tensor | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         keys, values = self.storage.layer(layer_idx, key_states, value_states, self.batch)
@@ -232,6 +318,10 @@ class StaticKVCache(_cache_base()):
             values[self.prefill_rows, :width] = value_states.transpose(1, 2)
             return key_states, value_states
         flat = (self.batch * self.max_len, *keys.shape[2:])
+        if self.packed_writes is not None:
+            keys.view(flat).index_copy_(0, self.packed_writes, key_states[0].transpose(0, 1))
+            values.view(flat).index_copy_(0, self.packed_writes, value_states[0].transpose(0, 1))
+            return keys, values
         keys.view(flat).index_copy_(0, self.write_rows, key_states[:, :, 0])
         values.view(flat).index_copy_(0, self.write_rows, value_states[:, :, 0])
         return keys, values
@@ -269,6 +359,7 @@ class DecodeStats:
     """What the decoder computed since it was built (benchmarks read and reset it)."""
 
     prefill_tokens: int = 0  # prompt positions run through prefill, padding of each chunk included
+    reused_tokens: int = 0  # prompt positions not prefilled: their keys were in the row's cache (reuse_prefix_cache)
     decode_steps: int = 0  # one-token forward passes of the whole decode batch
     capture_s: float = 0.0  # seconds spent capturing CUDA graphs
     states_built: int = 0  # decode states built (on GPU a CUDA graph each); keep_graphs reuses them across calls

@@ -51,6 +51,7 @@ def check_config(cfg: DictConfig) -> None:
     if OmegaConf.select(cfg, "generator.name") == "hf":
         check_choice(cfg, "generator.decode_attention", DECODE_ATTENTION)
         check_choice(cfg, "generator.keep_decode_graphs", (True, False))
+        check_choice(cfg, "generator.reuse_prefix_cache", (True, False))
     _check_backend(cfg)
     _check_batch_sizes(cfg)
     _check_algorithm(cfg)
