@@ -212,20 +212,24 @@ def test_reuse_prefix_cache_setting_is_read_and_checked(varied_model, tiny_token
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flash attention's kernel needs a CUDA GPU")
-def test_suffix_prefill_on_a_gpu(varied_model, tiny_tokenizer):
+def test_suffix_prefill_on_a_gpu(varied_model, tiny_tokenizer, monkeypatch):
     """On a GPU: flash attention's variable-length kernel (bottom-right causal, keys read in the cache's rows) gives
-    the masked attention in bfloat16; the reusing pipelined decoder gives the greedy turns of the whole prefill in
-    float32 (masked SDPA), and in float16 (flash attention's suffix prefill) runs every row's turns to their end."""
+    the masked attention in bfloat16, for suffixes of several tokens and of one each; the reusing pipelined decoder
+    gives the greedy turns of the whole prefill in float32 (masked SDPA), and in float16 (flash attention's suffix
+    prefill) runs every row's turns to their end."""
     if not static_decode._flash_capable(torch.device("cuda")):
         pytest.skip("flash attention needs an Ampere or newer GPU")
-    query, key, value, suffix = suffix_inputs("cuda", torch.bfloat16)
-    output = static_decode.suffix_attention(query, key, value, suffix, scaling=0.125)
-    torch.testing.assert_close(output.float(), reference_suffix(query, key, value, suffix), atol=2e-2, rtol=0)
+    for offsets in ((0, 5, 37), (11, 5, 69)):  # the second: one query a suffix
+        query, key, value, suffix = suffix_inputs("cuda", torch.bfloat16, offsets=offsets)
+        output = static_decode.suffix_attention(query, key, value, suffix, scaling=0.125)
+        torch.testing.assert_close(output.float(), reference_suffix(query, key, value, suffix), atol=2e-2, rtol=0)
     model = copy.deepcopy(varied_model).to("cuda", torch.float32)
     whole, _ = served(model, tiny_tokenizer, reuse=False)
     reused, decoder = served(model, tiny_tokenizer, reuse=True)
     assert reused.turns == whole.turns and decoder.stats.reused_tokens > 0
+    flash_calls, real_flash = [], static_decode.flash_suffix
+    monkeypatch.setattr(static_decode, "flash_suffix", lambda *a, **k: flash_calls.append(1) or real_flash(*a, **k))
     half = copy.deepcopy(varied_model).to("cuda", torch.float16)
     reused, decoder = served(half, tiny_tokenizer, reuse=True)
-    assert [len(turns) for turns in reused.turns] == TURNS and decoder.stats.reused_tokens > 0
+    assert flash_calls and [len(turns) for turns in reused.turns] == TURNS and decoder.stats.reused_tokens > 0
     assert all(0 < len(ids) <= GREEDY.max_new_tokens for turns in reused.turns for ids, _ in turns)
