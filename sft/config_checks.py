@@ -26,10 +26,12 @@ def check_sft_config(cfg: DictConfig, world_size: int = 1) -> None:
     (the data-dependent checks, rows against the batch size, come when the data is read)."""
     check_numbers(cfg, NUMBERS)
     data = cfg.data
-    for key in ("data.packing", "data.require_data_card", "model.use_liger", "model.enable_gradient_checkpointing",
+    for key in ("data.packing", "data.require_data_card", "model.enable_gradient_checkpointing",
                 "trainer.deterministic"):
         if not isinstance(value := OmegaConf.select(cfg, key), bool):
             raise ValueError(f"{key} must be true or false, got {value!r}")
+    if (liger := cfg.model.use_liger) not in (True, False, "auto"):
+        raise ValueError(f"model.use_liger must be true, false or auto, got {liger!r}")
     if data.pad_packed_to_multiple != "auto":
         check_number(cfg, "data.pad_packed_to_multiple", 0, integer=True)
     if data.truncation not in TRUNCATIONS:

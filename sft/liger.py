@@ -28,6 +28,17 @@ INSTALL_HINT = "pip install -e '.[liger]'"
 CHUNK_MEM_CONST = 32
 
 
+def resolve_liger(setting, model_type: str, use_cuda: bool, deterministic: bool) -> bool:
+    """Whether the SFT uses Liger's kernels under model.use_liger = true | false | auto. `auto`: where they can run
+    (a CUDA GPU, a supported model, the package installed), and not with trainer.deterministic, whose run-to-run
+    equality is tested for PyTorch's kernels only. `true` raises `check_liger`'s one-line error where they cannot."""
+    if setting is True:
+        check_liger(model_type, use_cuda)
+        return True
+    return (setting == "auto" and not deterministic and use_cuda and model_type in PATCHES
+            and importlib.util.find_spec("liger_kernel") is not None)
+
+
 def check_liger(model_type: str, use_cuda: bool) -> None:
     """One-line ValueError when `model.use_liger=true` cannot run: unsupported model, no GPU, or no package."""
     if model_type not in PATCHES:

@@ -38,7 +38,7 @@ from sft.fsdp_model import (
     trainable_state_dict,
 )
 from sft.launcher_death import die_with_launcher
-from sft.liger import apply_liger, check_liger, fused_token_loss_sum
+from sft.liger import apply_liger, fused_token_loss_sum, resolve_liger
 from sft.loss_targets import LossTarget, prepare_tokenizer
 from sft.packing import (
     collate_packed,
@@ -308,22 +308,24 @@ class SftTrainer:
         total = self.steps_per_epoch * self.cfg.trainer.total_epochs
         self.total_steps = min(total, self.cfg.trainer.total_training_steps or total)
 
-    def _check_liger(self, use_cuda: bool) -> None:
-        """With model.use_liger: the model type (read from its config.json), the GPU and the package."""
-        if not self.cfg.model.use_liger:
-            return
+    def _check_liger(self, use_cuda: bool) -> bool:
+        """Whether this run uses Liger's kernels (`resolve_liger`: with model.use_liger=true the model type, read
+        from its config.json, the GPU and the package are checked, a one-line error where they fail)."""
+        if self.cfg.model.use_liger is False:
+            return False
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(self.model_path, trust_remote_code=self.cfg.model.trust_remote_code)
-        check_liger(config.model_type, use_cuda)
+        return resolve_liger(self.cfg.model.use_liger, config.model_type, use_cuda,
+                             bool(self.cfg.trainer.deterministic))
 
     def _build_model(self) -> None:
         mcfg = self.cfg.model
-        self._check_liger(self.device.type == "cuda")
+        use_liger = self._check_liger(self.device.type == "cuda")
         model = load_model(self.model_path, mcfg, len(self.tokenizer))
-        if mcfg.use_liger:
+        if use_liger:
             apply_liger(model)
-        self.loss_sum = fused_token_loss_sum if mcfg.use_liger else token_loss_sum
+        self.loss_sum = fused_token_loss_sum if use_liger else token_loss_sum
         model = add_lora(model, mcfg, "model")
         self.lora_scale = mcfg.lora_alpha / mcfg.lora_rank if mcfg.lora_rank > 0 else None
         fsdp = self.cfg.trainer.get("fsdp", "auto")

@@ -12,7 +12,7 @@ import torch
 from sft_fixtures import synthetic_rows, write_rows
 
 from sft.in_process import compose
-from sft.liger import check_liger
+from sft.liger import check_liger, resolve_liger
 from sft.packing import IGNORE_INDEX, collate_packed, collate_padded, token_loss_sum
 from sft.spa_sft_dataset import SftSample
 from sft.spa_sft_trainer import SftTrainer
@@ -37,6 +37,37 @@ def test_cpu_is_a_clear_error():
 def test_missing_package_is_a_clear_error():
     with pytest.raises(ValueError, match=r"needs the liger-kernel package \(pip install -e '\.\[liger\]'\)"):
         check_liger("llama", use_cuda=True)
+
+
+@pytest.mark.parametrize("setting, model_type, use_cuda, deterministic, expected", [
+    ("auto", "llama", False, False, False),  # CPU: plain modules, no error
+    ("auto", "gpt2", True, False, False),  # an unsupported model: plain modules, no error
+    ("auto", "llama", True, True, False),  # trainer.deterministic: PyTorch's kernels only
+    ("auto", "qwen2", True, False, HAS_LIGER),  # where they run
+    (False, "llama", True, False, False),
+])
+def test_auto_uses_liger_where_it_runs_and_never_raises(setting, model_type, use_cuda, deterministic, expected):
+    assert resolve_liger(setting, model_type, use_cuda, deterministic) is expected
+
+
+def test_true_still_raises_where_liger_cannot_run():
+    with pytest.raises(ValueError, match="runs on CUDA GPUs only"):
+        resolve_liger(True, "llama", use_cuda=False, deterministic=False)
+
+
+def test_auto_preflights_on_cpu_and_other_values_are_refused(tmp_path):
+    from sft.config_checks import check_sft_config
+
+    cfg = compose(["data.train_files=x", "model.partial_pretrain=tiny", "model.use_liger=auto", "trainer.device=cpu"])
+    check_sft_config(cfg)
+    with pytest.raises(ValueError, match=r"^model.use_liger must be true, false or auto, got 'yes'$"):
+        check_sft_config(compose(["data.train_files=x", "model.use_liger=yes"]))
+
+
+def test_smollm2_scripts_ask_for_liger_where_it_runs():
+    from SPA_agent.model_presets import script_models
+
+    assert "model.use_liger=auto" in script_models()["smollm2-135m"].sft_defaults.split()
 
 
 def test_preflight_checks_the_switch_before_reading_data(tmp_path):
