@@ -37,6 +37,9 @@ MOVES = {1: (-1, 0), 2: (1, 0), 3: (0, -1), 4: (0, 1)}
 """Action id -> (row, col) delta: 1 up, 2 down, 3 left, 4 right."""
 MAX_SEED_FALLBACKS = 32
 """Seeds tried (the given one, then `fallback_seed` chained) before reset gives up."""
+RENDERS_KEPT = 65536
+"""Distinct renders `SokobanEnv.render` remembers (emptied when full)."""
+_RENDERS: dict[tuple, str] = {}
 
 
 @dataclass
@@ -186,6 +189,19 @@ class SokobanEnv(BaseEnv):
         renders every step: plain lists of a few dozen cells are several times faster than numpy calls here.)"""
         if self.room_state is None:
             raise RuntimeError("call reset() before render()")
+        state, fixed, cfg = self.room_state, self.room_fixed, self.config
+        # A render is a function of exactly these: remembered across envs (a group's envs start from one room and
+        # revisit states; the env's step renders the state the rollout renders again right after).
+        key = (state.shape, state.dtype.str, state.tobytes(), fixed.shape, fixed.dtype.str, fixed.tobytes(),
+               cfg.render_mode, tuple(cfg.grid_lookup.items()))
+        text = _RENDERS.get(key)
+        if text is None:
+            if len(_RENDERS) >= RENDERS_KEPT:
+                _RENDERS.clear()
+            text = _RENDERS[key] = self._render()
+        return text
+
+    def _render(self) -> str:
         lookup = self.config.grid_lookup
         state, fixed = self.room_state.tolist(), self.room_fixed.tolist()
         text = "\n".join(

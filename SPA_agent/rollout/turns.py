@@ -46,16 +46,23 @@ class Turn(Observation):
         return bool(self.parsed["format_ok"])
 
 
+_FIELD_NAMES = {cls: tuple(f.name for f in fields(cls)) for cls in (Observation, Turn)}
+"""Field names of each entry type, in order (read once: `dataclasses.fields` is slow in the rollout's loops)."""
+
+
 def read_entry(entry: Mapping) -> Observation | Turn:
     """The typed view of one history entry; a Turn once the model's response is recorded in it."""
     if "llm_response" in entry:
-        return Turn(**{f.name: entry[f.name] for f in fields(Turn)})
+        return Turn(*[entry[name] for name in _FIELD_NAMES[Turn]])
     return Observation(entry["state"], entry["actions_left"])
 
 
 def as_entry(record: Observation | Turn) -> dict:
     """The history dict of `record` (the keys `read_entry` reads, in field order)."""
-    return {f.name: getattr(record, f.name) for f in fields(record)}
+    names = _FIELD_NAMES.get(type(record))
+    if names is None:
+        names = tuple(f.name for f in fields(record))
+    return {name: getattr(record, name) for name in names}
 
 
 def turns(history: Iterable[Mapping]) -> list[Turn]:
