@@ -72,6 +72,17 @@ class ChatTokenizer:
             ids = self._encoded[text] = tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         return list(ids)
 
+    def encode_all(self, texts) -> None:
+        """Remember the ids of every text of `texts` not known yet, tokenized in one batch call: the tokenizer gives
+        each text of a batch the ids it gives the text alone (no padding, no special tokens added)."""
+        missing = [text for text in dict.fromkeys(texts) if text and text not in self._encoded]
+        if not missing:
+            return
+        if len(self._encoded) + len(missing) > ENCODED_TEXTS_KEPT:
+            self._encoded.clear()
+        for text, ids in zip(missing, self.tokenizer(missing, add_special_tokens=False)["input_ids"]):
+            self._encoded[text] = tuple(ids)
+
     def build(
         self,
         messages: list[dict],
@@ -83,6 +94,34 @@ class ChatTokenizer:
         With `generation_prefix` (e.g. "<think>"), the assistant turn is opened after the last message and the
         prefix appended, which is exactly the prompt the generator continues.
         """
+        return self._assemble(self._segments(messages, assistant_turns, generation_prefix))
+
+    def build_many(
+        self, conversations: list[tuple[list[dict], list[AssistantTurn], str | None]]
+    ) -> list[tuple[list[int], list[int]]]:
+        """`build` of each (messages, assistant_turns, generation_prefix), the same ids and roles; the texts not
+        encoded yet are tokenized in one batch call."""
+        segments = [self._segments(*conversation) for conversation in conversations]
+        self.encode_all(part for row in segments for role, part in row if role != SAMPLED)
+        return [self._assemble(row) for row in segments]
+
+    def _assemble(self, segments: list[tuple[int, str | list[int]]]) -> tuple[list[int], list[int]]:
+        """Ids and role codes of `_segments`' pieces: each text's ids (remembered), each sampled turn's ids."""
+        ids: list[int] = []
+        roles: list[int] = []
+        for role, part in segments:
+            part_ids = part if role == SAMPLED else self.encode(part)
+            ids += part_ids
+            roles += [role] * len(part_ids)
+        return ids, roles
+
+    def _segments(
+        self,
+        messages: list[dict],
+        assistant_turns: list[AssistantTurn],
+        generation_prefix: str | None = None,
+    ) -> list[tuple[int, str | list[int]]]:
+        """The conversation as (role code, text to encode) and (SAMPLED, sampled ids) pieces, in order."""
         slots = iter(range(len(assistant_turns)))
         templated = [
             {**m, "content": _sentinel(next(slots))} if m["role"] == "assistant" else m for m in messages
@@ -94,14 +133,11 @@ class ChatTokenizer:
         system_text = self._system_text(messages)
         if not text.startswith(system_text):
             raise ValueError("chat template does not render the system turn as a prefix of the conversation")
-        ids, roles = self.encode(system_text), []
-        roles = [SYSTEM] * len(ids)
+        segments: list[tuple[int, str | list[int]]] = [(SYSTEM, system_text)]
         pieces = _SENTINEL.split(text[len(system_text):])
         for i, piece in enumerate(pieces):
             if i % 2 == 1:  # a sentinel: the sampled ids of assistant turn `piece`
-                turn = assistant_turns[int(piece)]
-                ids += turn.ids
-                roles += [SAMPLED] * len(turn.ids)
+                segments.append((SAMPLED, assistant_turns[int(piece)].ids))
                 continue
             if i > 0:
                 piece = self._drop_sampled_eos(piece, assistant_turns[int(pieces[i - 1])].ids)
@@ -109,10 +145,8 @@ class ChatTokenizer:
                 piece += assistant_turns[int(pieces[i + 1])].prefix
             elif add_prompt:
                 piece += generation_prefix
-            piece_ids = self.encode(piece)
-            ids += piece_ids
-            roles += [CONTEXT] * len(piece_ids)
-        return ids, roles
+            segments.append((CONTEXT, piece))
+        return segments
 
     def _last_turn_as_prompted(self, templated: list[dict], text: str) -> str:
         """`text` with everything before the final assistant message replaced by the generation prompt it was

@@ -103,12 +103,9 @@ class ContextManager:
 
     def get_lm_inputs(self, caches: list[EnvCache]) -> list[tuple[list[dict], list[int]]]:
         """(messages, prompt ids) for the next turn of each env; the ids end with the forced prefix."""
-        inputs = []
-        for cache in caches:
-            messages = self.messages(cache, normalized=False)
-            ids, _ = self.chat.build(messages, self._assistant_turns(cache), generation_prefix=self.prefix)
-            inputs.append((messages, ids))
-        return inputs
+        conversations = [(self.messages(cache, normalized=False), self._assistant_turns(cache), self.prefix)
+                         for cache in caches]
+        return [(messages, ids) for (messages, _, _), (ids, _) in zip(conversations, self.chat.build_many(conversations))]
 
     # --- responses ----------------------------------------------------------------------------------
     def get_env_inputs(self, caches: list[EnvCache], texts: list[str], ids: list[list[int] | None],
@@ -131,8 +128,8 @@ class ContextManager:
     # --- training batch -----------------------------------------------------------------------------
     def get_masks_and_scores(self, records: list[EnvRecord]) -> dict[str, torch.Tensor]:
         """Left-padded tensors of every trajectory (docs/interfaces.md, "One rollout"); (B, T) and (B, T-1)."""
-        rows = [self.chat.build(self.messages(r, normalized=False, for_update=True), self._assistant_turns(r))
-                for r in records]
+        rows = self.chat.build_many([(self.messages(r, normalized=False, for_update=True), self._assistant_turns(r), None)
+                                     for r in records])
         T = max(len(ids) for ids, _ in rows)
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         # Filled as numpy arrays (one conversion per row from its list is several times faster than torch.tensor)
