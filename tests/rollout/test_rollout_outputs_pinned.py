@@ -65,3 +65,22 @@ def test_rollout_outputs_equal_the_reference(template, mode, tiny_config, tiny_d
     tokenizer = request.getfixturevalue(f"{template}_tokenizer")
     cfg = tiny_config("_2_sokoban", "generator=random", f"ctx_manager.mode={mode}")
     assert rollout_digest(cfg, tokenizer, tiny_dir) == REFERENCE[(template, mode)]
+
+
+@pytest.mark.parametrize("kept", [3, 16384])
+def test_build_many_equals_build_one_by_one(kept, tiny_config, tiny_tokenizer, tiny_dir, monkeypatch):
+    """The batch-encoded prompts and training rows equal `build` of each conversation alone, with a fresh
+    ChatTokenizer (nothing remembered) and with the remembered texts emptied on the way (`kept=3`)."""
+    from SPA_agent.rollout import chat_tokens
+
+    monkeypatch.setattr(chat_tokens, "ENCODED_TEXTS_KEPT", kept)
+    cfg = tiny_config("_2_sokoban", "generator=random", "ctx_manager.mode=add_worldmodel")
+    proxy = LLMAgentProxy(cfg, build_generator(cfg.generator, str(tiny_dir), tiny_tokenizer), tiny_tokenizer)
+    ctx = proxy.ctx
+    records = proxy.rollout(val=False).states
+    conversations = [(ctx.messages(r, normalized=False, for_update=True), ctx._assistant_turns(r), None)
+                     for r in records]
+    conversations += [(ctx.messages(r, normalized=False)[:2], [], ctx.prefix) for r in records]
+    many = chat_tokens.ChatTokenizer(tiny_tokenizer).build_many(conversations)
+    alone = [chat_tokens.ChatTokenizer(tiny_tokenizer).build(*c) for c in conversations]
+    assert many == alone
