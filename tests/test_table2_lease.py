@@ -124,7 +124,7 @@ def run_job(tmp_path: Path, **env: str) -> tuple[Path, Path]:
 
 
 #: the gate's variants in these tests (GATE_VARIANTS): the baseline first
-VARIANTS = {"base_line": "", "fast_a": "agent_proxy.pipeline_turns=true generator.reuse_prefix_cache=true",
+VARIANTS = {"base_line": "", "fast_a": "agent_proxy.pipeline_turns=true",
             "fast_b": "critic.ppo_max_token_len_per_gpu=32768"}
 
 
@@ -168,6 +168,29 @@ def test_the_default_variants_compose_for_the_spa_arm_and_the_baseline_is_the_co
     spa = next(overrides for name, _, overrides in arms() if name == "spa_s0")
     for _, *overrides in lines:
         check_config(compose("_2_sokoban", ["model=smollm2-135m", *SWEEP, *spa, *overrides]))
+
+
+@pytest.mark.parametrize("gpu_test", ["passes", "fails", "no_gpu"])
+def test_a_reused_prefix_cache_variant_is_timed_only_after_its_gpu_test_passed(tmp_path, gpu_test):
+    """However fast, a suffix kernel that computes the wrong attention must not reach the arms."""
+    repo = tmp_path / "repo"
+    (repo / "tests" / "generators").mkdir(parents=True)
+    (repo / "tests" / "generators" / "test_reused_prefix_cache.py").write_text(
+        f"def test_gpu_suffix():\n    assert {gpu_test == 'passes'}\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text('#!/usr/bin/env bash\nprintf "GPU 0: H200\\n"\n')
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    variants = tmp_path / "variants.txt"
+    variants.write_text("base_line\nreuse generator.reuse_prefix_cache=true\n")
+    path = f"{bin_dir}{os.pathsep}{ENV['PATH']}" if gpu_test != "no_gpu" else ENV["PATH"]
+    work, out = run_job(tmp_path, GATE_VARIANTS=str(variants), TOTAL_base_line="10", TOTAL_reuse="5", PATH=path)
+    timed = (tmp_path / "step_args_reuse").exists()
+    assert timed == (gpu_test == "passes")
+    assert (work / "gate.txt").read_text() == ("generator.reuse_prefix_cache=true\n" if timed else "\n")
+    progress = (out / "progress.txt").read_text()
+    assert f"the prefix cache's GPU test {'passed' if timed else 'failed'}" in progress
+    assert ("reuse left out: the prefix cache's GPU test did not pass" in progress) == (not timed)
 
 
 def test_gate_profile_goes_to_the_baseline_benchmark_alone(tmp_path):

@@ -35,7 +35,8 @@
 # line of GATE_VARIANTS (default gate_variants.txt beside this file: "<name> <overrides>", the first the baseline),
 # one after the other on the otherwise idle GPU 0; every arm gets the fastest variant's overrides if its step took
 # at least 10% less than the baseline's (the decision, the steps' and their gen's seconds in progress.txt; the
-# benchmarks' logs and JSON in out/gate_<name>.*). A failed variant is left out; no wm sweep among the arms, no SFT
+# benchmarks' logs and JSON in out/gate_<name>.*). A variant with generator.reuse_prefix_cache=true runs only after
+# that cache's GPU test passed here (out/gate_reuse_gpu_test.log). A failed variant is left out; no wm sweep among the arms, no SFT
 # checkpoint or no timing of the baseline: every arm with the baseline. Every arm, the Vanilla RL ones too, then
 # starts after both SFTs and the timing (~1 minute a variant). off: no timing, every arm with the baseline (the
 # config's defaults) as soon as its sweep is ready (Vanilla RL at once).
@@ -154,6 +155,22 @@ for start in wm nowm base; do
     SWEEP_PID[$start]=$!
 done
 
+# reuse_checked: whether the reused prefix cache's GPU test passed on this host (run once; no GPU: it did not), so that
+# the gate never hands the arms a suffix kernel that computes the wrong attention however fast it is.
+REUSE_TEST=""
+reuse_checked() {
+    if [ -z "$REUSE_TEST" ]; then
+        REUSE_TEST=failed
+        if [ "$N" -gt 0 ] && CUDA_VISIBLE_DEVICES=0 python -m pytest -q -p no:cacheprovider -k gpu \
+                tests/generators/test_reused_prefix_cache.py > "$O/gate_reuse_gpu_test.log" 2>&1 < /dev/null \
+                && grep -q " passed" "$O/gate_reuse_gpu_test.log" && ! grep -q -e " failed" -e " error" "$O/gate_reuse_gpu_test.log"; then
+            REUSE_TEST=passed
+        fi
+        p "gate: the prefix cache's GPU test $REUSE_TEST: $(tail -n 1 "$O/gate_reuse_gpu_test.log" 2>/dev/null || echo no GPU)"
+    fi
+    [ "$REUSE_TEST" = passed ]
+}
+
 # gate FILE: into FILE every arm's extra overrides, one line (empty: the baseline's, GATE_VARIANTS' first line), from
 # timing the SPA arm's PPO step with each variant; its decision into progress.txt. A variant whose benchmark fails
 # is left out; without the baseline's timing the gate is empty.
@@ -163,6 +180,9 @@ gate() {
     if [ -z "${SWEEP_PID[wm]:-}" ]; then p "gate: no wm sweep among the arms, no timing: the baseline"; return; fi
     if [ ! -s "$ready" ]; then p "gate: the wm sweep exited before its SFT was done: the baseline"; return; fi
     while read -r name overrides; do
+        if [[ " $overrides " == *" generator.reuse_prefix_cache=true "* ]] && ! reuse_checked; then
+            p "gate: $name left out: the prefix cache's GPU test did not pass (out/gate_reuse_gpu_test.log)"; continue
+        fi
         # shellcheck disable=SC2046,SC2086
         CUDA_VISIBLE_DEVICES=0 python benchmarks/smollm2_step.py --model-path "$(cat "$ready")" --steps 3 --no-val \
             --json "$O/gate_$name.json" --config "$CONFIG" ${GATE_ARGS:-} $profile $CONFIG_PPO \
