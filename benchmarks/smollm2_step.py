@@ -44,21 +44,30 @@ class DecoderPhases:
     """The static decoder's prefill and decode loop timed apart (a device sync before and after each; the decoder
     syncs at both ends of a call anyway), one record a decoder call: its rows, prompt lengths, prefill and decode
     seconds and decode steps. Pipelined turns prefill inside their decode loop: there `decode_s` is absent and the
-    call's prefills are summed into `prefill_s`."""
+    call's prefills, whole prompts and (generator.reuse_prefix_cache) suffixes past the cached ids alike, are summed
+    into `prefill_s`."""
 
     def __init__(self, decoder):
         self.decoder, self.calls = decoder, []
         self._prefill, self._decode = decoder._prefill, decoder._decode
+        self._prefill_suffixes = decoder._prefill_suffixes
         decoder._prefill, decoder._decode = self.prefill, self.decode
+        decoder._prefill_suffixes = self.prefill_suffixes
 
     def prefill(self, state, prompts, lengths, *args, **kwargs):
+        return self._timed(lengths.tolist(), self._prefill, state, prompts, lengths, *args, **kwargs)
+
+    def prefill_suffixes(self, state, rows, prompts, offsets):
+        return self._timed([len(ids) for ids in prompts], self._prefill_suffixes, state, rows, prompts, offsets)
+
+    def _timed(self, prompt_lengths: list[int], prefill, *args, **kwargs):
+        """`prefill(*args, **kwargs)` between device syncs, recorded as one call of `prompt_lengths`' prompts."""
         sync()
         start, steps = time.perf_counter(), self.decoder.stats.decode_steps
-        logits = self._prefill(state, prompts, lengths, *args, **kwargs)
+        logits = prefill(*args, **kwargs)
         sync()
-        host_lengths = lengths.tolist()
-        self.calls.append({"rows": len(host_lengths), "prompt_max": max(host_lengths),
-                           "prompt_mean": round(statistics.mean(host_lengths), 1),
+        self.calls.append({"rows": len(prompt_lengths), "prompt_max": max(prompt_lengths),
+                           "prompt_mean": round(statistics.mean(prompt_lengths), 1),
                            "prefill_s": round(time.perf_counter() - start, 4), "_steps": steps})
         return logits
 

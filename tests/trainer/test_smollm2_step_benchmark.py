@@ -51,3 +51,22 @@ def test_smoke_run_times_every_phase_and_the_decoder(background_run):
     summary = lines[-1]
     assert summary["metric"] == "summary" and summary["steady_steps"] == 1
     assert summary["total"] == steps[1]["timing_s/step"]
+
+
+@pytest.mark.slow
+def test_pipelined_turns_reusing_the_cache_time_every_prefill(tmp_path):
+    """With generator.reuse_prefix_cache the later turns prefill suffixes past the cached ids (not `_prefill`): each
+    is still one timed decoder call, so `prefill_s` holds every prefill of the rollout."""
+    import subprocess
+
+    result = subprocess.run([sys.executable, "benchmarks/smollm2_step.py", "--smoke", "--steps", "2", "--no-val",
+                             "agent_proxy.pipeline_turns=true", "generator.reuse_prefix_cache=true"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"metric": "step"')]
+    for step in steps:
+        calls = step["decoder_calls"]  # the first turn's whole prompts, then the second turn's suffixes
+        assert [call["rows"] for call in calls] == [8, 8]
+        assert calls[0]["prompt_max"] < calls[1]["prompt_max"] and step["reused_tokens"] > 0
+        assert step["prefill_s"] == pytest.approx(sum(call["prefill_s"] for call in calls), abs=2e-3)
