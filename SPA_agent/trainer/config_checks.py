@@ -52,6 +52,9 @@ def check_config(cfg: DictConfig) -> None:
         check_choice(cfg, "generator.decode_attention", DECODE_ATTENTION)
         check_choice(cfg, "generator.keep_decode_graphs", (True, False))
         check_choice(cfg, "generator.reuse_prefix_cache", (True, False))
+        if cfg.generator.reuse_prefix_cache and not cfg.agent_proxy.pipeline_turns:
+            raise ValueError("generator.reuse_prefix_cache=true reuses the caches of pipelined turns only; add "
+                             "agent_proxy.pipeline_turns=true (or drop it: turn by turn it would do nothing)")
     _check_backend(cfg)
     _check_batch_sizes(cfg)
     _check_algorithm(cfg)

@@ -206,9 +206,11 @@ def test_reuse_prefix_cache_setting_is_read_and_checked(varied_model, tiny_token
     generator = HFGenerator.from_config(cfg, "tiny", tiny_tokenizer, model=varied_model)
     assert generator._static_decoder().reuse_prefix_cache
     assert compose("_2_sokoban", ["model=tiny"]).generator.reuse_prefix_cache is False  # off by default
-    check_config(compose("_2_sokoban", ["model=tiny", "generator.reuse_prefix_cache=true"]))
+    check_config(compose("_2_sokoban", ["model=tiny", "generator.reuse_prefix_cache=true", "agent_proxy.pipeline_turns=true"]))
     with pytest.raises(ValueError, match=r"generator.reuse_prefix_cache must be one of \(True, False\), got 'yes'"):
         check_config(compose("_2_sokoban", ["model=tiny", "generator.reuse_prefix_cache=yes"]))
+    with pytest.raises(ValueError, match=r"^generator.reuse_prefix_cache=true reuses the caches of pipelined turns only"):
+        check_config(compose("_2_sokoban", ["model=tiny", "generator.reuse_prefix_cache=true"]))  # turn by turn
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flash attention's kernel needs a CUDA GPU")
