@@ -100,6 +100,7 @@ STEP_STUB = """import json, os, sys
 args = sys.argv[1:]
 name = os.path.basename(args[args.index("--json") + 1])[len("gate_"):-len(".json")]
 open(os.environ["STEP_ARGS"] + name, "w").write(json.dumps(args))
+open(os.environ["STEP_ARGS"] + name + ".gpu", "w").write(os.environ["CUDA_VISIBLE_DEVICES"])
 total = float(os.environ["TOTAL_" + name])
 if total < 0:
     sys.exit(1)  # a failed benchmark
@@ -158,7 +159,7 @@ def test_the_gate_gives_every_arm_the_fastest_variant_if_its_step_takes_at_least
     assert decision[0].endswith(f": {chosen}" if chosen else ": no timing of the baseline (base_line), so the baseline")
     for name, total in zip(VARIANTS, totals):
         assert (f"{name} {total} s" in decision[0]) == (total >= 0)
-        assert (f"the step benchmark failed ({name}, rc=1): left out" in progress) == (total < 0)
+        assert (f"the step benchmark failed ({name}, rc=1, GPU 0): left out" in progress) == (total < 0)
 
 
 def test_the_default_variants_compose_for_the_spa_arm_and_the_baseline_is_the_config(tmp_path):
@@ -212,6 +213,8 @@ def test_two_gpus_take_the_arms_round_robin_and_the_two_sfts_one_each(tmp_path, 
     work, _ = run_gated_job(tmp_path, (10.0, 10.0, 10.0), ARMS=arms, PATH=f"{bin_dir}{os.pathsep}{ENV['PATH']}")
     assert {start: (work / f"table2_{start}" / "logs" / "gpu_ids").read_text().strip()
             for start in ("wm", "nowm", "base") if (work / f"table2_{start}").exists()} == gpu_ids
+    # the gate's variants side by side, variant k on GPU k mod 2
+    assert [(tmp_path / f"step_args_{name}.gpu").read_text() for name in VARIANTS] == ["0", "1", "0"]
 
 
 def test_the_gate_is_empty_without_timing_when_the_wm_sweep_fails(tmp_path):

@@ -33,10 +33,12 @@
 # (smollm2_sweep.sh's WAIT_FOR); once every sweep is ready (or has exited), the job times 3 PPO steps of the SPA arm
 # (benchmarks/smollm2_step.py from the wm sweep's SFT checkpoint, spa_s0's overrides, add_worldmodel) once for each
 # line of GATE_VARIANTS (default gate_variants.txt beside this file: "<name> <overrides>", the first the baseline),
-# one after the other on the otherwise idle GPU 0; every arm gets the fastest variant's overrides if its step took
+# one after the other on the otherwise idle GPU; every arm gets the fastest variant's overrides if its step took
 # at least 10% less than the baseline's (the decision, the steps' and their gen's seconds in progress.txt; the
-# benchmarks' logs and JSON in out/gate_<name>.*). A variant with generator.reuse_prefix_cache=true runs only after
-# that cache's GPU test passed here (out/gate_reuse_gpu_test.log). A failed variant is left out; no wm sweep among the arms, no SFT
+# benchmarks' logs and JSON in out/gate_<name>.*). On several GPUs the variants are timed side by side, variant k
+# on GPU k mod GPUs (the baseline on GPU 0), one benchmark at a time a GPU. A variant with
+# generator.reuse_prefix_cache=true runs only after that cache's GPU test passed here (out/gate_reuse_gpu_test.log).
+# A failed variant is left out; no wm sweep among the arms, no SFT
 # checkpoint or no timing of the baseline: every arm with the baseline. Every arm, the Vanilla RL ones too, then
 # starts after both SFTs and the timing (~1 minute a variant). off: no timing, every arm with the baseline (the
 # config's defaults) as soon as its sweep is ready (Vanilla RL at once).
@@ -179,17 +181,29 @@ gate() {
     : > "$file"
     if [ -z "${SWEEP_PID[wm]:-}" ]; then p "gate: no wm sweep among the arms, no timing: the baseline"; return; fi
     if [ ! -s "$ready" ]; then p "gate: the wm sweep exited before its SFT was done: the baseline"; return; fi
+    local names=() lines=() pids=() gpu k
     while read -r name overrides; do
         if [[ " $overrides " == *" generator.reuse_prefix_cache=true "* ]] && ! reuse_checked; then
             p "gate: $name left out: the prefix cache's GPU test did not pass (out/gate_reuse_gpu_test.log)"; continue
         fi
-        # shellcheck disable=SC2046,SC2086
-        CUDA_VISIBLE_DEVICES=0 python benchmarks/smollm2_step.py --model-path "$(cat "$ready")" --steps 3 --no-val \
-            --json "$O/gate_$name.json" --config "$CONFIG" ${GATE_ARGS:-} $profile $CONFIG_PPO \
-            $(grep '^spa_s0 ' <<< "$ALL" | cut -d' ' -f3-) ${OVERRIDES:-} $overrides > "$O/gate_$name.log" 2>&1 \
-            || p "gate: the step benchmark failed ($name, rc=$?): left out"
-        profile=""  # the baseline's run alone is profiled
+        names+=("$name"); lines+=("$overrides")
     done < <(grep -v -e '^#' -e '^[[:space:]]*$' "$GATE_VARIANTS")
+    # variant k on GPU k mod N (one after the other on each GPU, the GPUs side by side); the baseline alone profiled
+    for (( gpu = 0; gpu < (N > 0 ? N : 1); gpu++ )); do
+        (
+            for (( k = gpu; k < ${#names[@]}; k += (N > 0 ? N : 1) )); do
+                [ "$k" -eq 0 ] || profile=""
+                # shellcheck disable=SC2046,SC2086
+                CUDA_VISIBLE_DEVICES=$gpu python benchmarks/smollm2_step.py --model-path "$(cat "$ready")" --steps 3 \
+                    --no-val --json "$O/gate_${names[$k]}.json" --config "$CONFIG" ${GATE_ARGS:-} $profile $CONFIG_PPO \
+                    $(grep '^spa_s0 ' <<< "$ALL" | cut -d' ' -f3-) ${OVERRIDES:-} ${lines[$k]} \
+                    > "$O/gate_${names[$k]}.log" 2>&1 \
+                    || p "gate: the step benchmark failed (${names[$k]}, rc=$?, GPU $gpu): left out"
+            done
+        ) &
+        pids+=($!)
+    done
+    wait "${pids[@]}"
     p "$(python - "$O" "$file" "$GATE_VARIANTS" <<'PY'
 import json, sys
 from pathlib import Path
