@@ -78,6 +78,39 @@ def test_update_does_not_depend_on_micro_batch_size(ppo_config, tiny_tokenizer, 
         assert abs(metrics[0][key] - metrics[1][key]) <= 1e-4 * max(1.0, abs(metrics[0][key])), key
 
 
+def test_update_does_not_depend_on_the_token_budget(ppo_config, tiny_tokenizer, make_batch):
+    """Packed micro-batches by token budget (use_dynamic_bsz): a budget of one row a micro-batch and one of the whole
+    mini-batch give the same update, so SmolLM2's doubled budgets (below) change the passes' time, not the losses."""
+    results = []
+    for budget in (16, 4096):
+        cfg = ppo_config("_2_sokoban", "ppo_mini_batch_size=3", f"ppo_max_token_len_per_gpu={budget}",
+                         f"log_prob_max_token_len_per_gpu={budget}")
+        backend = LocalBackend(cfg, tiny_tokenizer)
+        batch = _training_batch(backend, make_batch(),
+                                advantages=torch.randn(3, 11, generator=torch.Generator().manual_seed(0)))
+        plans = {len(backend._plan(batch, 1, True, budget))}
+        metrics = {**backend.update_critic(batch), **backend.update_actor(batch)}
+        results.append((plans, metrics, [p.detach().clone() for p in backend.actor.model.parameters()]))
+    (plans0, m0, p0), (plans1, m1, p1) = results
+    assert plans0 == {3} and plans1 == {1}  # one row a micro-batch, then all three in one
+    for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm"):
+        assert abs(m0[key] - m1[key]) <= 1e-4 * max(1.0, abs(m0[key])), key
+    for a, b in zip(p0, p1):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_smollm2_doubles_every_training_pass_token_budget():
+    from SPA_agent.config import compose
+
+    for model, (update, forward) in {"smollm2-135m": (32768, 65536), "tiny": (16384, 32768)}.items():
+        cfg = compose("_2_sokoban", [f"model={model}"])
+        assert cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu == update
+        assert cfg.critic.ppo_max_token_len_per_gpu == update
+        assert cfg.actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu == forward
+        assert cfg.actor_rollout_ref.ref.log_prob_max_token_len_per_gpu == forward
+        assert cfg.critic.forward_max_token_len_per_gpu == forward
+
+
 def test_update_raises_log_prob_of_high_advantage_actions(ppo_config, tiny_tokenizer, make_batch):
     cfg = ppo_config("_2_sokoban", "actor_rollout_ref.actor.optim.lr=1e-3", "ppo_mini_batch_size=3",
                      "actor_rollout_ref.actor.entropy_coeff=0")
