@@ -172,6 +172,7 @@ class HFGenerator:
         decode_attention: str = "auto",
         keep_decode_graphs: bool = False,
         reuse_prefix_cache: bool = False,
+        prefill_chunk_tokens: int | None = None,
     ):
         if batch_size is not None and batch_size != "auto" and (not isinstance(batch_size, int) or batch_size < 1):
             raise ValueError(f"generator.batch_size must be a positive integer, auto or null, got {batch_size!r}")
@@ -181,6 +182,9 @@ class HFGenerator:
                              f"got {max_batch_tokens!r}")
         if decoder not in DECODERS:
             raise ValueError(f"generator.decoder must be one of {DECODERS}, got {decoder!r}")
+        if prefill_chunk_tokens is not None and (isinstance(prefill_chunk_tokens, bool)
+                                                 or not isinstance(prefill_chunk_tokens, int) or prefill_chunk_tokens < 1):
+            raise ValueError(f"generator.prefill_chunk_tokens must be a positive integer, got {prefill_chunk_tokens!r}")
         self.model, self.tokenizer, self.sampling = model, tokenizer, sampling
         self.max_batch_tokens, self.progress = max_batch_tokens, progress
         self.stop_ids = end_of_turn_ids(model, tokenizer)
@@ -204,6 +208,8 @@ class HFGenerator:
         self.keep_decode_graphs = keep_decode_graphs
         # pipelined turns prefill a row's next prompt past what its cache holds already (turn_pipeline.py)
         self.reuse_prefix_cache = reuse_prefix_cache
+        # prompt tokens a prefill forward of the static decoder (None: static_decode.PREFILL_TOKENS)
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         self._static = None
         self._calls = 0
 
@@ -225,6 +231,7 @@ class HFGenerator:
             decode_attention=str(cfg.get("decode_attention", "auto")),
             keep_decode_graphs=bool(cfg.get("keep_decode_graphs", False)),
             reuse_prefix_cache=bool(cfg.get("reuse_prefix_cache", False)),
+            prefill_chunk_tokens=cfg.get("prefill_chunk_tokens"),
         )
 
     @property
@@ -293,7 +300,8 @@ class HFGenerator:
             self._static = PipelinedDecoder(self.model, self.stop_ids, self.pad_id, use_cuda_graphs=self.cuda_graphs,
                                             compile_step=self.compile_decode_step, attention=self.decode_attention,
                                             keep_graphs=self.keep_decode_graphs,
-                                            reuse_prefix_cache=self.reuse_prefix_cache)
+                                            reuse_prefix_cache=self.reuse_prefix_cache,
+                                            prefill_chunk_tokens=self.prefill_chunk_tokens)
         return self._static
 
     def _kernels(self) -> contextlib.AbstractContextManager:

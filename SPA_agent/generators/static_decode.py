@@ -7,9 +7,9 @@ dominates decoding time for GQA models at large batch. Here:
 - the cache holds keys/values as (B, L, H_kv, D) per layer (flash attention's layout), L = longest prompt +
   max_new_tokens; row b keeps its prompt at positions [0, n_b) and its t-th new token at n_b + t, so the keys a
   row attends to are always a prefix of its row, of length `kv_lengths[b]`;
-- prefill runs the prompts right-padded (row chunks of at most PREFILL_TOKENS tokens, longest prompts first, each
-  chunk as wide as its longest prompt) causally, without a mask, so SDPA takes its flash kernel; the first new
-  token's logits come from each row's last prompt position;
+- prefill runs the prompts right-padded (row chunks of at most `prefill_chunk_tokens` tokens, default
+  PREFILL_TOKENS, longest prompts first, each chunk as wide as its longest prompt) causally, without a mask, so
+  SDPA takes its flash kernel; the first new token's logits come from each row's last prompt position;
 - each decode step feeds one token per sequence. On an Ampere or newer GPU with bf16/fp16 weights, attention is
   flash attention's variable-length kernel reading each row's first `kv_lengths[b]` keys (`seqused_k`); the G
   query heads that share a key/value head run as G query positions of that head, so each key/value is read once
@@ -82,7 +82,10 @@ BATCH_BUCKET = 16
 #: with keep_graphs: a call longer than the KV buffer grows its keys per row at least this many times
 CAPACITY_GROWTH = 2
 CHECK_EVERY = 16  # decode steps between checks whether every sequence has finished
-PREFILL_TOKENS = 32768  # prompt tokens (rows × chunk width) per prefill forward; at least one row
+#: prompt tokens (rows × chunk width) a prefill forward by default (generator.prefill_chunk_tokens); at least one row. A
+#: forward costs the host about the same at any size (a narrow model's prefill is bound by its kernel launches), so
+#: larger chunks take fewer forwards; each holds ~8 kB of activations a token for SmolLM2 (~26 kB for 1.5B)
+PREFILL_TOKENS = 32768
 
 
 @functools.cache
@@ -450,9 +453,11 @@ class StaticDecoder:
     """Decodes padded batches with a static KV cache; see the module docstring (`keep_graphs` there too)."""
 
     def __init__(self, model, stop_ids: list[int], pad_id: int, use_cuda_graphs: bool = True,
-                 compile_step: bool = False, attention: str = "flash", keep_graphs: bool = False):
+                 compile_step: bool = False, attention: str = "flash", keep_graphs: bool = False,
+                 prefill_chunk_tokens: int | None = None):
         if attention not in ATTENTION_KERNELS:
             raise ValueError(f"decode attention must be one of {ATTENTION_KERNELS}, got {attention!r}")
+        self.prefill_chunk_tokens = PREFILL_TOKENS if prefill_chunk_tokens is None else prefill_chunk_tokens
         layer_types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
         if layer_types != {"full_attention"} or getattr(model.config, "use_sliding_window", False):
             raise ValueError(
@@ -541,8 +546,8 @@ class StaticDecoder:
 
     def _prefill(self, state: _DecodeState, prompts: torch.Tensor, lengths: torch.Tensor,
                  cache_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Run the right-padded prompts (B, P) causally in row chunks of at most PREFILL_TOKENS tokens, longest
-        prompts first, each chunk cut to its own longest prompt, filling the cache (prompt i into cache row
+        """Run the right-padded prompts (B, P) causally in row chunks of at most `prefill_chunk_tokens` tokens,
+        longest prompts first, each chunk cut to its own longest prompt, filling the cache (prompt i into cache row
         `cache_rows[i]`, default i); (B, V) logits of the first new token, in the rows' order. Chunks of similar
         lengths run little padding: a turn's histories differ by their earlier answers (up to the token cap each),
         so a chunk of rows in batch order was mostly as wide as the longest prompt of the batch."""
@@ -553,7 +558,7 @@ class StaticDecoder:
         try:
             while start < len(order):
                 width = host_lengths[order[start]]
-                rows = torch.tensor(order[start : start + max(1, PREFILL_TOKENS // width)], device=self.device)
+                rows = torch.tensor(order[start : start + max(1, self.prefill_chunk_tokens // width)], device=self.device)
                 state.cache.prefill_rows = rows if cache_rows is None else cache_rows[rows]
                 input_ids = prompts[rows, :width]
                 self.stats.prefill_tokens += input_ids.numel()

@@ -34,8 +34,8 @@ last (`fed_tokens`: the last is an end of turn, fed, if at all, while its row al
 attention read one key; or the token at the cap, never fed). When `respond` returns the row's next prompt, the common prefix of the
 two, p ids (`reusable_length`; at most all but the prompt's last id, whose position gives the first new token's
 logits), stays in the cache, and only positions [p, n) are prefilled: the restarted rows' suffixes packed into one
-sequence (at most PREFILL_TOKENS tokens a forward), each token at its own position, attending to its row's keys
-[0, its position] (`static_decode.suffix_attention`: flash attention's variable-length kernel on a GPU in half
+sequence (at most `prefill_chunk_tokens` tokens a forward), each token at its own position, attending to its row's
+keys [0, its position] (`static_decode.suffix_attention`: flash attention's variable-length kernel on a GPU in half
 precision, masked SDPA elsewhere). Exactness: the ids are compared exactly, so a prompt that renders the sampled
 response differently (another tokenization, an edited history) reuses only up to the first differing id, p = 0
 being the whole prefill; the reused keys are those a prefill of the same ids at the same positions computes (in
@@ -50,7 +50,6 @@ from collections.abc import Callable
 
 import torch
 
-from SPA_agent.generators import static_decode
 from SPA_agent.generators.base import SamplingParams
 from SPA_agent.generators.static_decode import (
     CAPACITY_GROWTH,
@@ -211,11 +210,12 @@ class PipelinedDecoder(StaticDecoder):
                           offsets: list[int]) -> torch.Tensor:
         """Prefill positions [offsets[i], len(prompts[i])) of each prompt into cache row rows[i] (ascending), whose
         keys [0, offsets[i]) hold the prompt's first ids already: the suffixes packed into sequences of at most
-        PREFILL_TOKENS tokens (at least one suffix), each token at its own position, attending to its row's keys up
-        to it (`static_decode.suffix_attention`); (len(rows), V) logits of each prompt's first new token."""
+        `prefill_chunk_tokens` tokens (at least one suffix), each token at its own position, attending to its row's
+        keys up to it (`static_decode.suffix_attention`); (len(rows), V) logits of each prompt's first new token."""
         decoder, head = self.model.get_decoder(), self.model.get_output_embeddings()
         logits = []
-        for chunk in packed_chunks([len(ids) - offset for ids, offset in zip(prompts, offsets)]):
+        counts = [len(ids) - offset for ids, offset in zip(prompts, offsets)]
+        for chunk in packed_chunks(counts, self.prefill_chunk_tokens):
             suffix = SuffixPrefill.build([rows[i] for i in chunk], [offsets[i] for i in chunk],
                                          [len(prompts[i]) for i in chunk], state.shape[1], self.device)
             input_ids = torch.tensor([[token for i in chunk for token in prompts[i][offsets[i]:]]], device=self.device)
@@ -249,12 +249,12 @@ def reusable_length(cached: list[int], prompt: list[int]) -> int:
     return next(i for i in range(limit) if cached[i] != prompt[i])
 
 
-def packed_chunks(counts: list[int]) -> list[list[int]]:
-    """Consecutive indices of `counts` in groups of at most PREFILL_TOKENS summed counts (a larger count alone)."""
+def packed_chunks(counts: list[int], limit: int) -> list[list[int]]:
+    """Consecutive indices of `counts` in groups of at most `limit` summed counts (a larger count alone)."""
     chunks: list[list[int]] = []
     total = 0
     for index, count in enumerate(counts):
-        if not chunks or total + count > static_decode.PREFILL_TOKENS:
+        if not chunks or total + count > limit:
             chunks.append([])
             total = 0
         chunks[-1].append(index)

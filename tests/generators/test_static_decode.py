@@ -222,29 +222,43 @@ def test_one_token_prompts_match_generate(varied_model, tiny_tokenizer):
     )
 
 
-def test_prefill_in_row_chunks_equals_one_prefill(varied_model, tiny_tokenizer, prompts_of_lengths, monkeypatch):
-    """A batch whose prefill runs in chunks of rows (PREFILL_TOKENS) decodes the same greedy tokens."""
-    from SPA_agent.generators import static_decode
-
+def test_prefill_in_row_chunks_equals_one_prefill(varied_model, tiny_tokenizer, prompts_of_lengths):
+    """A batch whose prefill runs in chunks of rows (generator.prefill_chunk_tokens) decodes the same greedy tokens."""
     prompts = prompts_of_lengths(REPEATS)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
     whole = ids(hf(varied_model, tiny_tokenizer, greedy, "static", batch_size=None).generate(prompts))
-    monkeypatch.setattr(static_decode, "PREFILL_TOKENS", 1)  # one row per prefill forward
-    assert ids(hf(varied_model, tiny_tokenizer, greedy, "static", batch_size=None).generate(prompts)) == whole
+    # one row per prefill forward
+    assert ids(hf(varied_model, tiny_tokenizer, greedy, "static", batch_size=None,
+                  prefill_chunk_tokens=1).generate(prompts)) == whole
 
 
-def test_prefill_chunks_take_the_longest_prompts_first(varied_model, tiny_tokenizer, prompts_of_lengths,
-                                                        monkeypatch):
+@pytest.mark.parametrize("value", [0, -5, "many", 2.5, True])
+def test_prefill_chunk_tokens_must_be_a_positive_integer(varied_model, tiny_tokenizer, value):
+    with pytest.raises(ValueError, match=r"^generator.prefill_chunk_tokens must be a positive integer, got "):
+        HFGenerator.from_config({"prefill_chunk_tokens": value, "progress": False}, "tiny", tiny_tokenizer,
+                                model=varied_model)
+
+
+def test_prefill_chunk_tokens_reach_the_decoder_from_the_config(varied_model, tiny_tokenizer):
+    from SPA_agent.config import compose
+    from SPA_agent.generators.static_decode import PREFILL_TOKENS
+
+    cfg = compose("_2_sokoban", ["model=tiny", "generator.prefill_chunk_tokens=4096"]).generator
+    generator = HFGenerator.from_config({**cfg, "decoder": "static", "progress": False}, "tiny", tiny_tokenizer,
+                                        model=varied_model)
+    assert generator._static_decoder().prefill_chunk_tokens == 4096
+    assert compose("_2_sokoban", ["model=tiny"]).generator.prefill_chunk_tokens == PREFILL_TOKENS
+
+
+def test_prefill_chunks_take_the_longest_prompts_first(varied_model, tiny_tokenizer, prompts_of_lengths):
     """Prefill chunks hold prompts of similar lengths, longest first, each as wide as its own longest prompt;
     the greedy tokens are those of one prefill of the whole batch, in the batch's order."""
-    from SPA_agent.generators import static_decode
-
     prompts = prompts_of_lengths(REPEATS)  # lengths 1 < 12 < 3 < 40 repeats, not in batch order
     lengths = sorted((len(p.prompt_ids) for p in prompts), reverse=True)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
     whole = ids(hf(varied_model, tiny_tokenizer, greedy, "static", batch_size=None).generate(prompts))
-    monkeypatch.setattr(static_decode, "PREFILL_TOKENS", 2 * lengths[0])  # two of the longest prompts a chunk
-    generator = hf(varied_model, tiny_tokenizer, greedy, "static", batch_size=None)
+    # two of the longest prompts a chunk
+    generator = hf(varied_model, tiny_tokenizer, greedy, "static", batch_size=None, prefill_chunk_tokens=2 * lengths[0])
     assert ids(generator.generate(prompts)) == whole
     # chunks {40, 12} and {3, 1} repeats: 2 rows as wide as the longest prompt, then 2 as wide as the third
     # (in batch order they were {1, 12} and {3, 40}, the second as wide as the longest)
