@@ -190,8 +190,9 @@ def test_a_reused_prefix_cache_variant_is_timed_only_after_its_gpu_test_passed(t
     assert timed == (gpu_test == "passes")
     assert (work / "gate.txt").read_text() == ("generator.reuse_prefix_cache=true\n" if timed else "\n")
     progress = (out / "progress.txt").read_text()
-    assert f"the prefix cache's GPU test {'passed' if timed else 'failed'}" in progress
-    assert ("reuse left out: the prefix cache's GPU test did not pass" in progress) == (not timed)
+    assert f"the GPU test of generator.reuse_prefix_cache=true {'passed' if timed else 'failed'}" in progress
+    assert ("reuse left out: a GPU test its overrides need did not pass" in progress) == (not timed)
+    assert (out / "gate_gpu_test_test_reused_prefix_cache.log").exists() == (gpu_test != "no_gpu")
 
 
 def test_gate_profile_goes_to_the_baseline_benchmark_alone(tmp_path):

@@ -36,9 +36,9 @@
 # one after the other on the otherwise idle GPU; every arm gets the fastest variant's overrides if its step took
 # at least 10% less than the baseline's (the decision, the steps' and their gen's seconds in progress.txt; the
 # benchmarks' logs and JSON in out/gate_<name>.*). On several GPUs the variants are timed side by side, variant k
-# on GPU k mod GPUs (the baseline on GPU 0), one benchmark at a time a GPU. A variant with
-# generator.reuse_prefix_cache=true runs only after that cache's GPU test passed here (out/gate_reuse_gpu_test.log).
-# A failed variant is left out; no wm sweep among the arms, no SFT
+# on GPU k mod GPUs (the baseline on GPU 0), one benchmark at a time a GPU. A variant with an override of GPU_TESTS
+# (below: generator.reuse_prefix_cache=true, ...) runs only after that code's GPU test passed here
+# (out/gate_gpu_test_<file>.log). A failed variant is left out; no wm sweep among the arms, no SFT
 # checkpoint or no timing of the baseline: every arm with the baseline. Every arm, the Vanilla RL ones too, then
 # starts after both SFTs and the timing (~1 minute a variant). off: no timing, every arm with the baseline (the
 # config's defaults) as soon as its sweep is ready (Vanilla RL at once).
@@ -157,20 +157,29 @@ for start in wm nowm base; do
     SWEEP_PID[$start]=$!
 done
 
-# reuse_checked: whether the reused prefix cache's GPU test passed on this host (run once; no GPU: it did not), so that
-# the gate never hands the arms a suffix kernel that computes the wrong attention however fast it is.
-REUSE_TEST=""
-reuse_checked() {
-    if [ -z "$REUSE_TEST" ]; then
-        REUSE_TEST=failed
-        if [ "$N" -gt 0 ] && CUDA_VISIBLE_DEVICES=0 python -m pytest -q -p no:cacheprovider -k gpu \
-                tests/generators/test_reused_prefix_cache.py > "$O/gate_reuse_gpu_test.log" 2>&1 < /dev/null \
-                && grep -q " passed" "$O/gate_reuse_gpu_test.log" && ! grep -q -e " failed" -e " error" "$O/gate_reuse_gpu_test.log"; then
-            REUSE_TEST=passed
+# Overrides whose code has a GPU test (`pytest -k gpu <file>`) that must pass on this host before the gate times a
+# variant with them: however fast, a kernel that computes the wrong numbers must not reach the arms.
+declare -A GPU_TESTS=(
+    ["generator.reuse_prefix_cache=true"]=tests/generators/test_reused_prefix_cache.py
+)
+declare -A GPU_TEST_RESULT  # file -> passed | failed (each file run once)
+# gpu_tested OVERRIDES: whether every GPU test the variant's overrides need passed here (no GPU: none did).
+gpu_tested() {
+    local override file log
+    for override in $1; do
+        file="${GPU_TESTS[$override]:-}"
+        [ -n "$file" ] || continue
+        if [ -z "${GPU_TEST_RESULT[$file]:-}" ]; then
+            log="$O/gate_gpu_test_$(basename "$file" .py).log"
+            GPU_TEST_RESULT[$file]=failed
+            if [ "$N" -gt 0 ] && CUDA_VISIBLE_DEVICES=0 python -m pytest -q -p no:cacheprovider -k gpu "$file" \
+                    > "$log" 2>&1 < /dev/null && grep -q " passed" "$log" && ! grep -q -e " failed" -e " error" "$log"; then
+                GPU_TEST_RESULT[$file]=passed
+            fi
+            p "gate: the GPU test of $override ${GPU_TEST_RESULT[$file]}: $(tail -n 1 "$log" 2>/dev/null || echo no GPU)"
         fi
-        p "gate: the prefix cache's GPU test $REUSE_TEST: $(tail -n 1 "$O/gate_reuse_gpu_test.log" 2>/dev/null || echo no GPU)"
-    fi
-    [ "$REUSE_TEST" = passed ]
+        [ "${GPU_TEST_RESULT[$file]}" = passed ] || return 1
+    done
 }
 
 # gate FILE: into FILE every arm's extra overrides, one line (empty: the baseline's, GATE_VARIANTS' first line), from
@@ -183,8 +192,8 @@ gate() {
     if [ ! -s "$ready" ]; then p "gate: the wm sweep exited before its SFT was done: the baseline"; return; fi
     local names=() lines=() pids=() gpu k
     while read -r name overrides; do
-        if [[ " $overrides " == *" generator.reuse_prefix_cache=true "* ]] && ! reuse_checked; then
-            p "gate: $name left out: the prefix cache's GPU test did not pass (out/gate_reuse_gpu_test.log)"; continue
+        if ! gpu_tested "$overrides"; then
+            p "gate: $name left out: a GPU test its overrides need did not pass (out/gate_gpu_test_*.log)"; continue
         fi
         names+=("$name"); lines+=("$overrides")
     done < <(grep -v -e '^#' -e '^[[:space:]]*$' "$GATE_VARIANTS")
