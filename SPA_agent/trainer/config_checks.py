@@ -47,6 +47,7 @@ def check_config(cfg: DictConfig) -> None:
     _check_types(cfg)
     check_choice(cfg, "ctx_manager.mode", PROMPT_MODES)
     check_choice(cfg, "actor_rollout_ref.model.use_liger", (True, False, "auto"))
+    check_choice(cfg, "actor_rollout_ref.model.liger_training", (True, False, "auto"))
     check_choice(cfg, "agent_proxy.pipeline_turns", (True, False))
     if OmegaConf.select(cfg, "generator.name") == "hf":
         check_choice(cfg, "generator.decode_attention", DECODE_ATTENTION)
@@ -74,6 +75,9 @@ def _check_backend(cfg: DictConfig) -> None:
     backend = cfg.trainer.backend
     if backend not in BACKENDS:
         raise ValueError(f"unknown trainer.backend {backend!r}; choose one of {sorted(BACKENDS)}")
+    if backend == "verl" and OmegaConf.select(cfg, "actor_rollout_ref.model.liger_training") is True:
+        raise ValueError("actor_rollout_ref.model.liger_training=true is the local backend's switch; the verl backend's "
+                         "workers do not read it: set actor_rollout_ref.model.liger_training=false")
     if backend == "local" and cfg.trainer.n_gpus_per_node != 1:
         raise ValueError(
             f"trainer.backend=local runs on one device but trainer.n_gpus_per_node={cfg.trainer.n_gpus_per_node}; "

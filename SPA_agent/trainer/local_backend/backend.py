@@ -7,22 +7,25 @@ the micro-batch size. Micro-batches are either fixed row counts or token budgets
 or packed without padding (`use_remove_padding`; trainer/packing.py): the losses see the same (b, T-1) tensors
 either way. Generation goes through the generator interface using the actor's current weights. With
 `<role>.model.lora_rank > 0` the actor and critic train LoRA adapters and the reference policy is the actor with
-its adapters disabled (`lora.py`).
+its adapters disabled (`lora.py`). With `actor_rollout_ref.model.liger_training` the passes run Liger's fused
+RMSNorm, SwiGLU and rotary kernels on a CUDA GPU (`liger_decode.fused_kernels`, for the duration of each pass).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from verl import DataProto
 from verl.trainer.ppo import core_algos
 from verl.utils import torch_functional as verl_F
 from verl.workers.config import ActorConfig
 
+from SPA_agent.generators import liger_decode
 from SPA_agent.model_presets import resolve_model_path
 from SPA_agent.runs.lora import add_lora
 from SPA_agent.trainer.algos import needs_critic
@@ -31,6 +34,8 @@ from SPA_agent.trainer.local_backend import models as lm
 from SPA_agent.trainer.packing import avoid_cudnn_attention, enable_packed_attention, micro_batch_plan
 
 OPTIMIZER_FILE = "optimizer.pt"
+#: the switch of Liger's kernels in the training models (the generator's is generator.liger_kernels)
+LIGER_TRAINING = "actor_rollout_ref.model.liger_training"
 
 
 def resolve_device(name: str) -> torch.device:
@@ -112,6 +117,10 @@ class LocalBackend:
                               (self.critic.model if self.critic else None, self.packed_critic)):
             if model is not None and packed:
                 enable_packed_attention(model)
+        # the models whose passes run Liger's kernels: true | false | auto, as the generator's (liger_decode.resolve)
+        liger = OmegaConf.select(cfg, LIGER_TRAINING, default=False)
+        self.liger_models = [model for model in (self.actor.model, self.ref, self.critic.model if self.critic else None)
+                             if model is not None and liger_decode.resolve(liger, model, LIGER_TRAINING)]
         self.temperature = float(arr.rollout.temperature)
         self.policy_loss_fn = core_algos.get_policy_loss_fn(arr.actor.policy_loss.loss_mode)
         self.policy_loss_cfg = ActorConfig(
@@ -194,6 +203,14 @@ class LocalBackend:
 
     # ---------------------------------------------------------------- inference passes
 
+    def _kernels(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """Liger's kernels in `model` for a pass where actor_rollout_ref.model.liger_training resolved on for it:
+        open over the forward and the backward passes (gradient checkpointing re-runs the forward in the backward),
+        transformers' modules outside (the generator's rollout copy is made from those)."""
+        if any(model is fused for fused in self.liger_models):
+            return liger_decode.fused_kernels(model)
+        return contextlib.nullcontext()
+
     @staticmethod
     def _plan(batch: DataProto, micro: int, dynamic: bool, budget: int) -> list[list[int]]:
         """Row indices of each micro-batch: `micro` rows each, or at most `budget` tokens each when `dynamic`."""
@@ -212,11 +229,12 @@ class LocalBackend:
         model.eval()
         device = next(model.parameters()).device
         log_probs, entropies = [], []
-        for mb in lm.micro_batches(batch, plan, lm.MODEL_INPUT_KEYS, device):
-            with lm.autocast(device):
-                lp, ent = lm.token_log_probs(model, mb, self.temperature, with_entropy, packed=self.packed_actor)
-            log_probs.append(lp)
-            entropies.append(ent)
+        with self._kernels(model):
+            for mb in lm.micro_batches(batch, plan, lm.MODEL_INPUT_KEYS, device):
+                with lm.autocast(device):
+                    lp, ent = lm.token_log_probs(model, mb, self.temperature, with_entropy, packed=self.packed_actor)
+                log_probs.append(lp)
+                entropies.append(ent)
         return (self._in_batch_order(log_probs, plan),
                 self._in_batch_order(entropies, plan) if with_entropy else None)
 
@@ -247,9 +265,10 @@ class LocalBackend:
         plan = self._plan(batch, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
                           cfg.forward_max_token_len_per_gpu)
         values = []
-        for mb in lm.micro_batches(batch, plan, keys, self.device):
-            with lm.autocast(self.device):
-                values.append(lm.token_values(model, mb, packed=self.packed_critic) * mb["response_mask"])
+        with self._kernels(model):
+            for mb in lm.micro_batches(batch, plan, keys, self.device):
+                with lm.autocast(self.device):
+                    values.append(lm.token_values(model, mb, packed=self.packed_critic) * mb["response_mask"])
         return DataProto.from_dict(tensors={"values": self._in_batch_order(values, plan)})
 
     # ---------------------------------------------------------------- updates
@@ -264,22 +283,24 @@ class LocalBackend:
         cfg, model = self.cfg.critic, self.critic.model.train()
         keys = (*lm.MODEL_INPUT_KEYS, "values", "returns", "response_mask")
         steps, micro_rows = [], []
-        for mini in self._mini_batches(batch, cfg):
-            norm = _loss_normalisers(mini.batch["response_mask"], cfg.get("loss_scale_factor"))
-            loss_sum = 0.0
-            plan = self._plan(mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu)
-            for mb in lm.micro_batches(mini, plan, keys, self.device):
-                with lm.autocast(self.device):
-                    vpreds = lm.token_values(model, mb, packed=self.packed_critic)
-                vf_loss, vf_clipfrac = core_algos.compute_value_loss(
-                    vpreds=vpreds, returns=mb["returns"], values=mb["values"], response_mask=mb["response_mask"],
-                    cliprange_value=cfg.cliprange_value, loss_agg_mode=cfg.loss_agg_mode, **norm,
-                )
-                vf_loss.backward()
-                loss_sum += vf_loss.item()
-                micro_rows.append({"critic/vf_clipfrac": vf_clipfrac.item(),
-                                   "critic/vpred_mean": verl_F.masked_mean(vpreds, mb["response_mask"]).item()})
-            steps.append({"critic/vf_loss": loss_sum, "critic/grad_norm": self.critic.clip_and_step()})
+        with self._kernels(model):
+            for mini in self._mini_batches(batch, cfg):
+                norm = _loss_normalisers(mini.batch["response_mask"], cfg.get("loss_scale_factor"))
+                loss_sum = 0.0
+                plan = self._plan(mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
+                                  cfg.ppo_max_token_len_per_gpu)
+                for mb in lm.micro_batches(mini, plan, keys, self.device):
+                    with lm.autocast(self.device):
+                        vpreds = lm.token_values(model, mb, packed=self.packed_critic)
+                    vf_loss, vf_clipfrac = core_algos.compute_value_loss(
+                        vpreds=vpreds, returns=mb["returns"], values=mb["values"], response_mask=mb["response_mask"],
+                        cliprange_value=cfg.cliprange_value, loss_agg_mode=cfg.loss_agg_mode, **norm,
+                    )
+                    vf_loss.backward()
+                    loss_sum += vf_loss.item()
+                    micro_rows.append({"critic/vf_clipfrac": vf_clipfrac.item(),
+                                       "critic/vpred_mean": verl_F.masked_mean(vpreds, mb["response_mask"]).item()})
+                steps.append({"critic/vf_loss": loss_sum, "critic/grad_norm": self.critic.clip_and_step()})
         self.critic.scheduler.step()
         return {**_mean_metrics(steps), **_mean_metrics(micro_rows), "critic/lr": self.critic.scheduler.get_last_lr()[0]}
 
@@ -313,18 +334,20 @@ class LocalBackend:
         keys += ("ref_log_prob",) if cfg.use_kl_loss else ()
         summed = ("actor/pg_loss", "actor/entropy", "actor/kl_loss")
         steps, micro_rows = [], []
-        for mini in self._mini_batches(batch, cfg):
-            norm = _loss_normalisers(mini.batch["response_mask"], cfg.get("loss_scale_factor"))
-            totals: dict[str, float] = {}
-            plan = self._plan(mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu)
-            for mb in lm.micro_batches(mini, plan, keys, self.device):
-                loss, metrics = self._actor_micro_loss(mb, norm)
-                loss.backward()
-                for key in summed:
-                    if key in metrics:
-                        totals[key] = totals.get(key, 0.0) + metrics.pop(key)
-                micro_rows.append(metrics)
-            steps.append({**totals, "actor/grad_norm": self.actor.clip_and_step()})
+        with self._kernels(self.actor.model):
+            for mini in self._mini_batches(batch, cfg):
+                norm = _loss_normalisers(mini.batch["response_mask"], cfg.get("loss_scale_factor"))
+                totals: dict[str, float] = {}
+                plan = self._plan(mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
+                                  cfg.ppo_max_token_len_per_gpu)
+                for mb in lm.micro_batches(mini, plan, keys, self.device):
+                    loss, metrics = self._actor_micro_loss(mb, norm)
+                    loss.backward()
+                    for key in summed:
+                        if key in metrics:
+                            totals[key] = totals.get(key, 0.0) + metrics.pop(key)
+                    micro_rows.append(metrics)
+                steps.append({**totals, "actor/grad_norm": self.actor.clip_and_step()})
         self.actor.scheduler.step()
         self._refresh_generator_weights()
         return {**_mean_metrics(steps), **_mean_metrics(micro_rows), "actor/lr": self.actor.scheduler.get_last_lr()[0]}
