@@ -161,6 +161,7 @@ done
 # variant with them: however fast, a kernel that computes the wrong numbers must not reach the arms.
 declare -A GPU_TESTS=(
     ["generator.reuse_prefix_cache=true"]=tests/generators/test_reused_prefix_cache.py
+    ["actor_rollout_ref.model.liger_training=true"]=tests/trainer/test_liger_training.py
 )
 declare -A GPU_TEST_RESULT  # file -> passed | failed (each file run once)
 # gpu_tested OVERRIDES: whether every GPU test the variant's overrides need passed here (no GPU: none did).
