@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from omegaconf import DictConfig, OmegaConf
 from verl.trainer.ppo import core_algos
 
-from SPA_agent.entry import check_choice, check_list, check_numbers, check_rollout_settings
+from SPA_agent.entry import check_choice, check_list, check_number, check_numbers, check_rollout_settings
 from SPA_agent.generators.split_kv_decode import SETTINGS as DECODE_ATTENTION
 from SPA_agent.rollout.parsing import MODES as PROMPT_MODES
 from SPA_agent.trainer.algos import ADV_ESTIMATORS, ROLLOUT_FILTERS
@@ -38,6 +40,7 @@ NUMBERS = (
     ("algorithm.kl_ctrl.kl_coef", 0, None, False),
     ("trainer.diagnostics.mi_freq", 0, None, True), ("trainer.diagnostics.mi_samples", 0, None, True),
     ("trainer.max_wall_s", 0, None, False),
+    ("actor_rollout_ref.actor.sft_aux_coef", 0, None, False), ("actor_rollout_ref.actor.sft_aux_rows", 1, None, True),
 )
 
 
@@ -57,6 +60,7 @@ def check_config(cfg: DictConfig) -> None:
             raise ValueError("generator.reuse_prefix_cache=true reuses the caches of pipelined turns only; add "
                              "agent_proxy.pipeline_turns=true (or drop it: turn by turn it would do nothing)")
     _check_backend(cfg)
+    _check_sft_aux(cfg)
     _check_batch_sizes(cfg)
     _check_algorithm(cfg)
     _check_trainer(cfg)
@@ -83,6 +87,38 @@ def _check_backend(cfg: DictConfig) -> None:
             f"trainer.backend=local runs on one device but trainer.n_gpus_per_node={cfg.trainer.n_gpus_per_node}; "
             "set trainer.n_gpus_per_node=1"
         )
+
+
+def _check_sft_aux(cfg: DictConfig) -> None:
+    """PPO-ptx (actor.sft_aux_coef > 0): the local backend, rows >= 1 and SFT data files named (that they exist is
+    `check_sft_aux_files`'s: a pipeline checks its PPO settings before its data stage has written them)."""
+    coef = OmegaConf.select(cfg, "actor_rollout_ref.actor.sft_aux_coef", default=0.0)
+    if coef is None:
+        raise ValueError("actor_rollout_ref.actor.sft_aux_coef must be a number >= 0 (0 = off), got None")
+    if coef == 0:
+        return
+    if cfg.trainer.backend != "local":
+        raise ValueError("actor_rollout_ref.actor.sft_aux_coef > 0 (the SFT loss during PPO) runs on trainer.backend=local "
+                         "only; set actor_rollout_ref.actor.sft_aux_coef=0 with trainer.backend=verl")
+    check_number(cfg, "actor_rollout_ref.actor.sft_aux_rows", 1, integer=True)
+    files = OmegaConf.select(cfg, "actor_rollout_ref.actor.sft_aux_files")
+    files = [files] if isinstance(files, str) else list(files) if OmegaConf.is_list(files) else None
+    if not files or not all(isinstance(f, str) for f in files):
+        raise ValueError("actor_rollout_ref.actor.sft_aux_coef > 0 needs the SFT data: set "
+                         "actor_rollout_ref.actor.sft_aux_files=[<dir>/wm_train.parquet]")
+
+
+def check_sft_aux_files(cfg: DictConfig) -> None:
+    """With actor.sft_aux_coef > 0, every file of actor.sft_aux_files exists (a PPO run checks it before loading
+    its models)."""
+    actor = cfg.actor_rollout_ref.actor
+    if not actor.get("sft_aux_coef"):
+        return
+    files = [actor.sft_aux_files] if isinstance(actor.sft_aux_files, str) else list(actor.sft_aux_files)
+    missing = [f for f in files if not Path(f).is_file()]
+    if missing:
+        raise ValueError(f"actor_rollout_ref.actor.sft_aux_files: {missing[0]} does not exist (make it with python -m "
+                         "SPA_agent.generate_sft_data, or fix the path)")
 
 
 def _check_batch_sizes(cfg: DictConfig) -> None:

@@ -101,11 +101,12 @@ def build_trainer(cfg: DictConfig, lock: DirLock):
     (resumed when the directory holds a run of the same identity). Nothing is written before the checks."""
     from SPA_agent.rollout.agent_proxy import LLMAgentProxy
     from SPA_agent.runs.metrics_logger import MetricsLogger
-    from SPA_agent.trainer.config_checks import check_config
+    from SPA_agent.trainer.config_checks import check_config, check_sft_aux_files
     from SPA_agent.trainer.diagnostics import Diagnostics
     from SPA_agent.trainer.ppo_trainer import PPOTrainer
 
     check_config(cfg)
+    check_sft_aux_files(cfg)
     output_dir = Path(cfg.trainer.default_local_dir)
     tokenizer = load_tokenizer(cfg.actor_rollout_ref.model.path)
     identity = run_identity_of(cfg)

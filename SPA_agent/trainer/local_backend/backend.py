@@ -9,6 +9,8 @@ either way. Generation goes through the generator interface using the actor's cu
 `<role>.model.lora_rank > 0` the actor and critic train LoRA adapters and the reference policy is the actor with
 its adapters disabled (`lora.py`). With `actor_rollout_ref.model.liger_training` the passes run Liger's fused
 RMSNorm, SwiGLU and rotary kernels on a CUDA GPU (`liger_decode.fused_kernels`, for the duration of each pass).
+With `actor.sft_aux_coef > 0` every actor optimizer step adds that coefficient times the SFT cross-entropy of
+`actor.sft_aux_rows` rows of the SFT data to the PPO loss (PPO-ptx, `trainer/sft_aux.py`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from verl.trainer.ppo import core_algos
 from verl.utils import torch_functional as verl_F
 from verl.workers.config import ActorConfig
 
+from sft.packing import token_loss_sum
 from SPA_agent.generators import liger_decode
 from SPA_agent.model_presets import resolve_model_path
 from SPA_agent.runs.lora import add_lora
@@ -32,6 +35,7 @@ from SPA_agent.trainer.algos import needs_critic
 from SPA_agent.trainer.local_backend import lora
 from SPA_agent.trainer.local_backend import models as lm
 from SPA_agent.trainer.packing import avoid_cudnn_attention, enable_packed_attention, micro_batch_plan
+from SPA_agent.trainer.sft_aux import SftAuxData
 
 OPTIMIZER_FILE = "optimizer.pt"
 #: the switch of Liger's kernels in the training models (the generator's is generator.liger_kernels)
@@ -129,6 +133,10 @@ class LocalBackend:
             clip_ratio_high=arr.actor.clip_ratio_high, clip_ratio_c=arr.actor.clip_ratio_c,
             loss_agg_mode=arr.actor.loss_agg_mode,
         )
+        # PPO-ptx: rows of the SFT data whose cross-entropy joins the actor's loss (None when sft_aux_coef is 0)
+        self.sft_aux = SftAuxData(arr.actor.sft_aux_files, tokenizer, arr.actor.sft_aux_rows, cfg.trainer.seed,
+                                  self.packed_actor, arr.actor.ppo_max_token_len_per_gpu) \
+            if arr.actor.get("sft_aux_coef", 0) > 0 else None
         self._generator = None
         self._rollout_model: nn.Module | None = None
 
@@ -326,16 +334,31 @@ class LocalBackend:
             metrics["actor/kl_loss"] = kl_loss.item()
         return loss, metrics
 
+    def _sft_aux_backward(self, update: int, mini_batch: int) -> float:
+        """Add sft_aux_coef × the mean token cross-entropy of the SFT rows drawn for this optimizer step to the
+        actor's gradients (micro-batch by micro-batch); returns that mean."""
+        batches, n_loss = self.sft_aux.micro_batches(update, mini_batch)
+        scale = self.cfg.actor_rollout_ref.actor.sft_aux_coef / max(n_loss, 1)
+        total = 0.0
+        for micro in batches:
+            with lm.autocast(self.device):
+                loss = token_loss_sum(self.actor.model, {key: t.to(self.device) for key, t in micro.items()})
+            (loss * scale).backward()
+            total += loss.item()
+        return total / max(n_loss, 1)
+
     def update_actor(self, batch: DataProto) -> dict[str, float]:
-        """PPO clipped policy update (core_algos policy loss, asymmetric + dual clip), AdamW, grad clip."""
+        """PPO clipped policy update (core_algos policy loss, asymmetric + dual clip), AdamW, grad clip; plus the
+        SFT loss of `sft_aux_rows` SFT rows a mini-batch when sft_aux_coef > 0."""
         cfg = self.cfg.actor_rollout_ref.actor
+        update = self.actor.scheduler.last_epoch  # updates so far: restored with the checkpoint's schedule
         self.actor.model.train()
         keys = (*lm.MODEL_INPUT_KEYS, "old_log_probs", "advantages", "response_mask")
         keys += ("ref_log_prob",) if cfg.use_kl_loss else ()
         summed = ("actor/pg_loss", "actor/entropy", "actor/kl_loss")
         steps, micro_rows = [], []
         with self._kernels(self.actor.model):
-            for mini in self._mini_batches(batch, cfg):
+            for index, mini in enumerate(self._mini_batches(batch, cfg)):
                 norm = _loss_normalisers(mini.batch["response_mask"], cfg.get("loss_scale_factor"))
                 totals: dict[str, float] = {}
                 plan = self._plan(mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
@@ -347,6 +370,8 @@ class LocalBackend:
                         if key in metrics:
                             totals[key] = totals.get(key, 0.0) + metrics.pop(key)
                     micro_rows.append(metrics)
+                if self.sft_aux is not None:
+                    totals["actor/sft_aux_loss"] = self._sft_aux_backward(update, index)
                 steps.append({**totals, "actor/grad_norm": self.actor.clip_and_step()})
         self.actor.scheduler.step()
         self._refresh_generator_weights()
