@@ -3,6 +3,8 @@
 # GPU, after benchmarks/smollm2_sokoban.sh showed no learning at lr 1e-5 in 30 steps: the same random-action data and
 # SFT (or another start, START below), then one PPO run per line of SETTINGS ("<name> <hydra overrides...>"), side
 # by side, all with the prompts of MODE (add_worldmodel, the SFT's own, by default; base is the original's PPO mode).
+# `{data}` in a setting's overrides stands for the folder of the data the SFT trains on (e.g. PPO-ptx's SFT rows:
+# actor_rollout_ref.actor.sft_aux_files={data}/wm_train.parquet, docs/ppo.md).
 #
 #   OUT=smollm2_sweep STEPS=60 bash benchmarks/smollm2_sweep.sh
 #   MODE=base STEPS=300 TEST_FREQ=25 SETTINGS="$(cat settings.txt)" bash benchmarks/smollm2_sweep.sh   # issue 43's plan
@@ -67,6 +69,7 @@ PPO=(ctx_manager.mode="$MODE" trainer.total_training_steps="$STEPS" trainer.test
      trainer.save_freq="${SAVE_FREQ:-$TEST_FREQ}" es_manager.val.group_size="$VAL_SAMPLES")
 [ "$CONFIG:$MODEL" = _3_frozen_lake:smollm2-135m ] && PPO+=(actor_rollout_ref.rollout.response_length=320)
 DATA="$OUT/data"; [ "$START" = nowm ] && DATA="$OUT/data_nowm"  # what the SFT trains on
+SETTINGS="${SETTINGS//\{data\}/$DATA}"
 # Stages 1 and 2 as run_spa.sh runs them: the preset's SFT defaults (for smollm2-135m 2 epochs, packed attention).
 DATA_STAGE="$(python -m SPA_agent.stages data --config="$CONFIG" --model="$MODEL_PRESET" --generator="$GENERATOR" \
     --output-dir="$OUT/data")" || exit 2

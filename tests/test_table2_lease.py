@@ -33,9 +33,14 @@ SWEEP = ["ctx_manager.mode=base", "trainer.total_training_steps=300", "trainer.t
 PER_ARM = ("ctx_manager.mode", "experiment", "trainer.seed", "generator.seed")
 
 
-def arms() -> list[tuple[str, str, list[str]]]:
+def all_arms() -> list[tuple[str, str, list[str]]]:
     lines = [line.split() for line in (HERE / "arms.txt").read_text().splitlines() if line and line[0] != "#"]
     return [(name, start, overrides) for name, start, *overrides in lines]
+
+
+def arms() -> list[tuple[str, str, list[str]]]:
+    """The arms of the paper's rows (spa, format, vanilla), not those of settings beyond the paper (spa_ptx, ...)."""
+    return [arm for arm in all_arms() if re.fullmatch(r"(spa|format|vanilla)_s\d", arm[0])]
 
 
 def test_arms_are_three_seeds_of_each_row_in_the_lease_priority_order():
@@ -56,8 +61,18 @@ def test_arms_share_one_ppo_recipe():
     assert recipes == {("actor_rollout_ref.actor.optim.lr=1e-5", "critic.optim.lr=1e-4")}
 
 
-@pytest.mark.parametrize("name, start, overrides", arms(), ids=[a[0] for a in arms()])
+def test_the_ppo_ptx_arm_is_spa_seed_0_with_the_sft_loss_on_its_sweeps_sft_data():
+    """Beyond the paper: SPA's seed-0 arm keeping the world-model SFT's loss during PPO (docs/ppo.md)."""
+    extra = {"spa_ptx_s0": ["actor_rollout_ref.actor.sft_aux_coef=0.1",
+                            "actor_rollout_ref.actor.sft_aux_files={data}/wm_train.parquet"]}
+    beyond = {name: (start, overrides) for name, start, overrides in all_arms() if (name, start, overrides) not in arms()}
+    spa = next(overrides for name, _, overrides in arms() if name == "spa_s0")
+    assert beyond == {name: ("wm", spa + overrides) for name, overrides in extra.items()}
+
+
+@pytest.mark.parametrize("name, start, overrides", all_arms(), ids=[a[0] for a in all_arms()])
 def test_each_arm_composes_for_smollm2_and_passes_the_ppo_checks(name, start, overrides):
+    overrides = [o.replace("{data}", "/sweep/data") for o in overrides]  # as smollm2_sweep.sh substitutes it
     cfg = compose("_2_sokoban", ["model=smollm2-135m", *SWEEP, *overrides])
     check_config(cfg)
     assert (cfg.ctx_manager.mode, cfg.render_mode) == ROWS[start][1:]
@@ -70,7 +85,8 @@ def test_a_sweep_with_wait_for_is_ready_after_its_stages_then_adds_the_gate_afte
     out, gate = tmp_path / "sweep", tmp_path / "gate.txt"
     env = {**ENV, "START": "base", "MODEL": "tiny", "GPUS": "0", "STEPS": "2", "TEST_FREQ": "1", "OUT": str(out),
            "WAIT_FOR": str(gate), "SPA_PRINT_STAGE": "1",  # the arms print their PPO command instead of running
-           "SETTINGS": "a trainer.seed=1"}  # one arm: each costs two python starts before and two after the gate
+           # one arm (each costs two python starts before and two after the gate); {data}: the SFT data's folder
+           "SETTINGS": "a trainer.seed=1 actor_rollout_ref.actor.sft_aux_files={data}/wm_train.parquet"}
     sweep = subprocess.Popen(["bash", str(REPO / "benchmarks" / "smollm2_sweep.sh")], env=env, cwd=tmp_path,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 60
@@ -84,7 +100,8 @@ def test_a_sweep_with_wait_for_is_ready_after_its_stages_then_adds_the_gate_afte
     gate.write_text("agent_proxy.pipeline_turns=true\n")
     assert sweep.wait(timeout=60) == 0, sweep.stdout.read()
     command = (out / "logs" / "a.log").read_text().split()
-    assert command[-2:] == ["trainer.seed=1", "agent_proxy.pipeline_turns=true"]  # after the setting's overrides
+    assert command[-3:] == ["trainer.seed=1", f"actor_rollout_ref.actor.sft_aux_files={out}/data/wm_train.parquet",
+                            "agent_proxy.pipeline_turns=true"]  # the gate's after the setting's overrides
 
 
 SWEEP_STUB = """#!/usr/bin/env bash
