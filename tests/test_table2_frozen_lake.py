@@ -81,7 +81,8 @@ def test_collect_prints_the_validations_of_frozen_lake_runs_and_names_the_config
 
 def seed0_arms() -> list[tuple[str, str, list[str]]]:
     lines = [line.split() for line in (HERE / "arms.txt").read_text().splitlines() if line and line[0] != "#"]
-    return [(name, start, overrides) for name, start, *overrides in lines if name.endswith("_s0")]
+    return [(name, start, [o.replace("{data}", "/sweep/data") for o in overrides])  # as smollm2_sweep.sh does
+            for name, start, *overrides in lines if name.endswith("_s0")]
 
 
 @pytest.mark.parametrize("name, start, overrides", seed0_arms(), ids=[a[0] for a in seed0_arms()])
