@@ -41,6 +41,7 @@ NUMBERS = (
     ("trainer.diagnostics.mi_freq", 0, None, True), ("trainer.diagnostics.mi_samples", 0, None, True),
     ("trainer.max_wall_s", 0, None, False),
     ("actor_rollout_ref.actor.sft_aux_coef", 0, None, False), ("actor_rollout_ref.actor.sft_aux_rows", 1, None, True),
+    ("generator.prefill_chunk_tokens", 1, None, True),
 )
 
 
@@ -101,21 +102,24 @@ def _check_sft_aux(cfg: DictConfig) -> None:
         raise ValueError("actor_rollout_ref.actor.sft_aux_coef > 0 (the SFT loss during PPO) runs on trainer.backend=local "
                          "only; set actor_rollout_ref.actor.sft_aux_coef=0 with trainer.backend=verl")
     check_number(cfg, "actor_rollout_ref.actor.sft_aux_rows", 1, integer=True)
-    files = OmegaConf.select(cfg, "actor_rollout_ref.actor.sft_aux_files")
-    files = [files] if isinstance(files, str) else list(files) if OmegaConf.is_list(files) else None
+    files = _sft_aux_files(cfg)
     if not files or not all(isinstance(f, str) for f in files):
         raise ValueError("actor_rollout_ref.actor.sft_aux_coef > 0 needs the SFT data: set "
                          "actor_rollout_ref.actor.sft_aux_files=[<dir>/wm_train.parquet]")
 
 
+def _sft_aux_files(cfg: DictConfig) -> list | None:
+    """actor.sft_aux_files as a list (one path or a list of them); None when it is neither."""
+    files = OmegaConf.select(cfg, "actor_rollout_ref.actor.sft_aux_files")
+    return [files] if isinstance(files, str) else list(files) if OmegaConf.is_list(files) else None
+
+
 def check_sft_aux_files(cfg: DictConfig) -> None:
     """With actor.sft_aux_coef > 0, every file of actor.sft_aux_files exists (a PPO run checks it before loading
-    its models)."""
-    actor = cfg.actor_rollout_ref.actor
-    if not actor.get("sft_aux_coef"):
+    its models; `check_config` has checked that they are named)."""
+    if not cfg.actor_rollout_ref.actor.get("sft_aux_coef"):
         return
-    files = [actor.sft_aux_files] if isinstance(actor.sft_aux_files, str) else list(actor.sft_aux_files)
-    missing = [f for f in files if not Path(f).is_file()]
+    missing = [f for f in _sft_aux_files(cfg) if not Path(f).is_file()]
     if missing:
         raise ValueError(f"actor_rollout_ref.actor.sft_aux_files: {missing[0]} does not exist (make it with python -m "
                          "SPA_agent.generate_sft_data, or fix the path)")

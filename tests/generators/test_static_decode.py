@@ -250,6 +250,15 @@ def test_prefill_chunk_tokens_reach_the_decoder_from_the_config(varied_model, ti
     assert compose("_2_sokoban", ["model=tiny"]).generator.prefill_chunk_tokens == PREFILL_TOKENS
 
 
+@pytest.mark.parametrize("value", ["0", "many"])
+def test_the_config_check_refuses_a_bad_prefill_chunk_tokens_before_any_model_loads(value):
+    from SPA_agent.config import compose
+    from SPA_agent.trainer.config_checks import check_config
+
+    with pytest.raises(ValueError, match=r"^generator.prefill_chunk_tokens must be"):
+        check_config(compose("_2_sokoban", ["model=tiny", f"generator.prefill_chunk_tokens={value}"]))
+
+
 def test_prefill_chunks_take_the_longest_prompts_first(varied_model, tiny_tokenizer, prompts_of_lengths):
     """Prefill chunks hold prompts of similar lengths, longest first, each as wide as its own longest prompt;
     the greedy tokens are those of one prefill of the whole batch, in the batch's order."""
