@@ -9,7 +9,7 @@ does the agent proxy put a copy of the env into `Prompt.env`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -33,7 +33,9 @@ class Prompt:
     `prompt_ids` is `messages` rendered with the chat template, the generation prompt and `response_prefix`
     included; local models continue from it. Remote models receive `messages` (they cannot be forced to open
     their turn with `response_prefix`). `env` is a copy of the env at this turn, set only for generators that
-    declare `needs_env = True` (experts that plan on the true state); a model never sees it.
+    declare `needs_env = True` (experts that plan on the true state); a model never sees it. `conversation` names
+    the chat this prompt continues (the agent proxy's rollout and env): a generator with a prefix cache
+    (generator.reuse_prefix_cache) prefills only what it does not hold of that chat already.
     """
 
     messages: list[dict]
@@ -42,6 +44,7 @@ class Prompt:
     action_space: list[str] = field(default_factory=list)
     worldmodel: bool = False
     env: Any = None
+    conversation: Hashable | None = None
 
 
 @dataclass

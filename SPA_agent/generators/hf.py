@@ -257,11 +257,16 @@ class HFGenerator:
         generator = torch.Generator(self.device).manual_seed(call_seed(self.sampling.seed, self._calls))
         self._calls += 1
         results: list[Generation | None] = [None] * len(prompts)
+        # one batch of prompts that each name their chat: with the reused prefix cache (turn by turn: it lives in the
+        # kept KV buffer), a turn prefills past what the buffer holds of each chat (prefix_cache.py)
+        continues = (self.reuse_prefix_cache and self.keep_decode_graphs and self.decoder == "static"
+                     and len(chunks) == 1 and all(prompt.conversation is not None for prompt in prompts))
         with eval_mode(self.model), self._kernels():
             for chunk in progress_bar(
                 chunks, desc="generate", leave=False, disable=not self.progress or len(chunks) < 2
             ):
-                sampled = self._generate_chunk([prompts[i].prompt_ids for i in chunk], generator)
+                conversations = [prompts[i].conversation for i in chunk] if continues else None
+                sampled = self._generate_chunk([prompts[i].prompt_ids for i in chunk], generator, conversations)
                 for index, ids in zip(chunk, sampled):
                     results[index] = self._to_generation(ids)
         if self._static is not None and not self.keep_decode_graphs:
@@ -312,8 +317,12 @@ class HFGenerator:
 
         return fused_rope(self.model)
 
-    def _generate_chunk(self, batch: list[list[int]], generator: torch.Generator) -> list[list[int]]:
-        """Sampled ids per prompt (B lists; may run past the end of turn, cut later)."""
+    def _generate_chunk(self, batch: list[list[int]], generator: torch.Generator,
+                        conversations: list | None = None) -> list[list[int]]:
+        """Sampled ids per prompt (B lists; may run past the end of turn, cut later). With the chats they continue
+        (`conversations`), the static decoder prefills them past what its cache holds (prefix_cache.py)."""
+        if conversations is not None:
+            return self._static_decoder().generate_turn(batch, conversations, self.sampling, generator)
         input_ids, attention_mask = left_pad(batch, self.pad_id, self.device)
         if self.decoder == "generate":
             return self._with_generate(input_ids, attention_mask, generator)

@@ -295,6 +295,15 @@ class KVStorage:
             self.values.append(value_states.new_zeros(shape))
         return self.keys[layer_idx][:rows], self.values[layer_idx][:rows]
 
+    def gather_rows(self, rows: list[int]) -> None:
+        """Row i takes row rows[i]'s keys and values, in every layer (a copy on the device; any order)."""
+        if rows == list(range(len(rows))):
+            return
+        index = torch.tensor(rows, device=self.keys[0].device) if self.keys else None
+        for buffers in (self.keys, self.values):
+            for buffer in buffers:
+                buffer[: len(rows)] = buffer[index]
+
 
 class StaticKVCache(_cache_base()):
     """The first `batch` rows of a KVStorage, (B, L, H_kv, D) per layer.
@@ -491,17 +500,27 @@ class StaticDecoder:
         """Sampled ids (B, max_new_tokens) for left-padded prompts (B, P); after a sequence's end-of-turn
         token its row holds `pad_id`."""
         prompts, lengths = left_aligned(input_ids, attention_mask, self.pad_id)
-        max_len = prompts.shape[1] + params.max_new_tokens
-        if self.use_cuda_graphs:  # fewer distinct shapes, so fewer graphs
+        state = self._call_state(prompts.shape[0], prompts.shape[1] + params.max_new_tokens)
+        return self._run(state, lambda: self._prefill(state, prompts, lengths), lengths, params, generator)
+
+    def _call_state(self, batch: int, max_len: int) -> _DecodeState:
+        """The decode state of a call of `batch` prompts needing `max_len` keys a row (CUDA graphs: rounded up to
+        PROMPT_BUCKET, so that calls of similar lengths share a graph)."""
+        if self.use_cuda_graphs:
             max_len += -max_len % PROMPT_BUCKET
         if self.keep_graphs:
             self._follow_weights()
-        state = self._state_for(prompts.shape[0], max_len)
+        return self._state_for(batch, max_len)
+
+    def _run(self, state: _DecodeState, prefill, lengths: torch.Tensor, params: SamplingParams,
+             generator: torch.Generator) -> torch.Tensor:
+        """Capture the state's graph (once), prefill (`prefill()`: the first new tokens' logits) and decode the
+        call's rows, the prompts of `lengths`; (B, max_new_tokens) sampled ids."""
         captured_before = state.capture_s
         with decode_attention_mode(self.model):
             state.capture()
-            state.pad_rows(prompts.shape[0])
-            logits = self._prefill(state, prompts, lengths)
+            state.pad_rows(len(lengths))
+            logits = prefill()
             tokens = self._decode(state, logits, lengths, params, generator)
         self.last_capture_s = state.capture_s - captured_before
         self.stats.capture_s += self.last_capture_s

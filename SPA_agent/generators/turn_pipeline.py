@@ -25,23 +25,8 @@ Mechanics, over `static_decode`'s buffers (one `_DecodeState` of B rows; its CUD
 - when a prompt needs more keys than a row holds, the buffer grows (at least CAPACITY_GROWTH-fold) and its
   contents move over; the decode state (and its graph) is rebuilt.
 
-Reused prefix cache (`reuse_prefix_cache`, generator.reuse_prefix_cache; off by default). Why: a turn's prompt is
-the env's whole history (system prompt, earlier turns), so prefilling it from position 0 every turn ran ~980k prompt
-tokens a PPO step on SmolLM2 (256 trajectories × 5 turns; ~1.15 s of an H200), while the row's cache already held
-almost all of it: its previous prompt and the tokens it sampled since. How: the host keeps, per row, the ids whose
-keys the row's cache holds as the model computes them: its last prompt, then every token the turn sampled but the
-last (`fed_tokens`: the last is an end of turn, fed, if at all, while its row already counted as finished, so its
-attention read one key; or the token at the cap, never fed). When `respond` returns the row's next prompt, the common prefix of the
-two, p ids (`reusable_length`; at most all but the prompt's last id, whose position gives the first new token's
-logits), stays in the cache, and only positions [p, n) are prefilled: the restarted rows' suffixes packed into one
-sequence (at most `prefill_chunk_tokens` tokens a forward), each token at its own position, attending to its row's
-keys [0, its position] (`static_decode.suffix_attention`: flash attention's variable-length kernel on a GPU in half
-precision, masked SDPA elsewhere). Exactness: the ids are compared exactly, so a prompt that renders the sampled
-response differently (another tokenization, an edited history) reuses only up to the first differing id, p = 0
-being the whole prefill; the reused keys are those a prefill of the same ids at the same positions computes (in
-float32 the first new token's logits equal a whole prefill's within 1e-5 of their scale, and greedy turns are the
-same: tested).
-`DecodeStats.prefill_tokens` counts the positions run, `reused_tokens` those kept.
+The reused prefix cache (`reuse_prefix_cache`, prefix_cache.py) prefills a restarted row's next prompt from where it
+departs from the ids its cache holds.
 """
 
 from __future__ import annotations
@@ -51,14 +36,12 @@ from collections.abc import Callable
 import torch
 
 from SPA_agent.generators.base import SamplingParams
+from SPA_agent.generators.prefix_cache import PrefixCachedDecoder, check_prompts, fed_tokens, reusable_length
 from SPA_agent.generators.static_decode import (
     CAPACITY_GROWTH,
     CHECK_EVERY,
     PROMPT_BUCKET,
-    SUFFIX_KWARG,
     KVStorage,
-    StaticDecoder,
-    SuffixPrefill,
     _DecodeState,
     decode_attention_mode,
     sample,
@@ -69,20 +52,15 @@ from SPA_agent.generators.static_decode import (
 Respond = Callable[[int, list[int]], "list[int] | None"]
 
 
-class PipelinedDecoder(StaticDecoder):
+class PipelinedDecoder(PrefixCachedDecoder):
     """`serve` runs every env's turns in one decode loop; with `reuse_prefix_cache` a row's next prompt is prefilled
     from where it departs from what the row's cache holds. See the module docstring."""
-
-    def __init__(self, *args, reuse_prefix_cache: bool = False, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.reuse_prefix_cache = reuse_prefix_cache
-        self._stop_set = set(self.stop_ids.tolist())
 
     def serve(self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator,
               respond: Respond) -> None:
         """Decode the first turn of every row's prompt, hand each ended turn to `respond`, continue each row with the
         prompt it returns, until `respond` has returned None for every row."""
-        _check_prompts(prompts)
+        check_prompts(prompts)
         batch, new_tokens, device = len(prompts), params.max_new_tokens, self.device
         tokens = torch.full((batch, new_tokens), self.pad_id, dtype=torch.long, device=device)  # each row's turn
         lengths = torch.tensor([len(ids) for ids in prompts], device=device)  # of each row's current prompt
@@ -153,7 +131,7 @@ class PipelinedDecoder(StaticDecoder):
                 next_prompts.append(prompt)
         if not restarted:
             return state, restarted, next_prompts, None
-        _check_prompts(next_prompts)
+        check_prompts(next_prompts)
         needed = max(len(ids) for ids in next_prompts) + tokens.shape[1]
         if needed > state.shape[1]:
             state = self._grown(state, state.shape[0], needed)
@@ -194,74 +172,3 @@ class PipelinedDecoder(StaticDecoder):
                 new_keys[:, : old.max_len].copy_(keys)
                 new_values[:, : old.max_len].copy_(values)
         return fresh
-
-    def _prefill_rows(self, state: _DecodeState, rows: list[int], prompts: list[list[int]]) -> torch.Tensor:
-        """Prefill `prompts` into the cache rows `rows` (positions [0, length)); (len(rows), V) logits of each
-        prompt's first new token."""
-        width = max(len(ids) for ids in prompts)
-        padded = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        for i, ids in enumerate(prompts):
-            padded[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        lengths = torch.tensor([len(ids) for ids in prompts], device=self.device)
-        return self._prefill(state, padded.to(self.device), lengths,
-                             cache_rows=torch.tensor(rows, device=self.device))
-
-    def _prefill_suffixes(self, state: _DecodeState, rows: list[int], prompts: list[list[int]],
-                          offsets: list[int]) -> torch.Tensor:
-        """Prefill positions [offsets[i], len(prompts[i])) of each prompt into cache row rows[i] (ascending), whose
-        keys [0, offsets[i]) hold the prompt's first ids already: the suffixes packed into sequences of at most
-        `prefill_chunk_tokens` tokens (at least one suffix), each token at its own position, attending to its row's
-        keys up to it (`static_decode.suffix_attention`); (len(rows), V) logits of each prompt's first new token."""
-        decoder, head = self.model.get_decoder(), self.model.get_output_embeddings()
-        logits = []
-        counts = [len(ids) - offset for ids, offset in zip(prompts, offsets)]
-        for chunk in packed_chunks(counts, self.prefill_chunk_tokens):
-            suffix = SuffixPrefill.build([rows[i] for i in chunk], [offsets[i] for i in chunk],
-                                         [len(prompts[i]) for i in chunk], state.shape[1], self.device)
-            input_ids = torch.tensor([[token for i in chunk for token in prompts[i][offsets[i]:]]], device=self.device)
-            state.cache.packed_writes = suffix.writes
-            try:
-                hidden = decoder(input_ids=input_ids, position_ids=suffix.positions, past_key_values=state.cache,
-                                 use_cache=True, **{SUFFIX_KWARG: suffix}).last_hidden_state
-            finally:
-                state.cache.packed_writes = None
-            logits.append(head(hidden[0, suffix.last_tokens]).float())
-            self.stats.prefill_tokens += input_ids.shape[1]
-        self.stats.reused_tokens += sum(offsets)
-        return torch.cat(logits)
-
-
-def fed_tokens(sampled: list[int], stop_ids: set[int]) -> list[int]:
-    """A turn's sampled ids whose keys its row's cache holds as the model computes them: all before the turn's last
-    token. That one is an end of turn, fed, if at all, while its row already counted as finished (its attention read
-    the row's first key only, so its keys past the first layer are not the model's), or the token at the cap, never
-    fed."""
-    end = next((i for i, token in enumerate(sampled) if token in stop_ids), len(sampled) - 1)
-    return sampled[:end]
-
-
-def reusable_length(cached: list[int], prompt: list[int]) -> int:
-    """How many of the prompt's first ids a row's cache holds (`cached`, its ids): their common prefix, at most all
-    but the prompt's last id, whose position gives the first new token's logits, so it is always prefilled."""
-    limit = min(len(cached), len(prompt) - 1)
-    if cached[:limit] == prompt[:limit]:
-        return limit
-    return next(i for i in range(limit) if cached[i] != prompt[i])
-
-
-def packed_chunks(counts: list[int], limit: int) -> list[list[int]]:
-    """Consecutive indices of `counts` in groups of at most `limit` summed counts (a larger count alone)."""
-    chunks: list[list[int]] = []
-    total = 0
-    for index, count in enumerate(counts):
-        if not chunks or total + count > limit:
-            chunks.append([])
-            total = 0
-        chunks[-1].append(index)
-        total += count
-    return chunks
-
-
-def _check_prompts(prompts: list[list[int]]) -> None:
-    if any(len(ids) == 0 for ids in prompts):
-        raise ValueError("a prompt has no token ids: Prompt.prompt_ids must hold the rendered chat")

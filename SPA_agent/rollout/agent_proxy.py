@@ -12,6 +12,7 @@ prompts, parsing and steps as turn by turn.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -22,6 +23,10 @@ from SPA_agent.rollout.ctx_manager import ContextManager
 from SPA_agent.rollout.es_manager import EnvStateManager, check_env_groups
 from SPA_agent.rollout.turns import EnvCache, EnvRecord
 from SPA_agent.runs.progress import progress_bar
+
+#: numbers every rollout of the process: an env's chat is (rollout, env id), so that no rollout continues another's
+#: cached keys (Prompt.conversation; computed before the weights changed)
+_ROLLOUT_NUMBERS = itertools.count()
 
 
 @dataclass
@@ -52,6 +57,7 @@ class LLMAgentProxy:
             raise ValueError(f"agent_proxy.pipeline_turns must be true or false, got {pipeline!r}")
         self._pipeline_requested = pipeline
         self._managers: dict[str, EnvStateManager] = {}
+        self._rollout_number = -1
 
     @property
     def pipeline_turns(self) -> bool:
@@ -68,6 +74,7 @@ class LLMAgentProxy:
     def rollout(self, val: bool = False, seed: int | None = None) -> Rollout:
         es = self.es_manager(val)
         active = es.reset(seed=seed)
+        self._rollout_number = next(_ROLLOUT_NUMBERS)
         if self.pipeline_turns:
             self._pipelined_turns(es, active, val)
         else:
@@ -121,7 +128,8 @@ class LLMAgentProxy:
         return [
             Prompt(messages=messages, prompt_ids=ids, response_prefix=self.ctx.prefix,
                    action_space=es.action_space(cache.env_id), worldmodel=worldmodel,
-                   env=es.env_snapshot(cache.env_id) if needs_env else None)
+                   env=es.env_snapshot(cache.env_id) if needs_env else None,
+                   conversation=(self._rollout_number, cache.env_id))
             for cache, (messages, ids) in zip(caches, self.ctx.get_lm_inputs(caches))
         ]
 

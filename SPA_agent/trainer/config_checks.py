@@ -57,9 +57,11 @@ def check_config(cfg: DictConfig) -> None:
         check_choice(cfg, "generator.decode_attention", DECODE_ATTENTION)
         check_choice(cfg, "generator.keep_decode_graphs", (True, False))
         check_choice(cfg, "generator.reuse_prefix_cache", (True, False))
-        if cfg.generator.reuse_prefix_cache and not cfg.agent_proxy.pipeline_turns:
-            raise ValueError("generator.reuse_prefix_cache=true reuses the caches of pipelined turns only; add "
-                             "agent_proxy.pipeline_turns=true (or drop it: turn by turn it would do nothing)")
+        if cfg.generator.reuse_prefix_cache and not (cfg.agent_proxy.pipeline_turns
+                                                     or cfg.generator.keep_decode_graphs):
+            raise ValueError("generator.reuse_prefix_cache=true turn by turn keeps each chat's keys in the kept KV "
+                             "buffer: add actor_rollout_ref.rollout.keep_decode_graphs=true (or "
+                             "agent_proxy.pipeline_turns=true), or drop it: as set it would do nothing")
     _check_backend(cfg)
     _check_sft_aux(cfg)
     _check_batch_sizes(cfg)

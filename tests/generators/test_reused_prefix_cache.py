@@ -1,6 +1,7 @@
-"""generator.reuse_prefix_cache (turn_pipeline.py): a pipelined row's next prompt is prefilled from where it departs
-from what the row's cache holds (its last prompt and the tokens it fed), attending to the row's cached keys
-(static_decode.suffix_attention). On CPU in float32: the first-token logits of a whole prefill, the greedy turns of
+"""generator.reuse_prefix_cache (prefix_cache.py): a turn's prompt is prefilled from where it departs from what its
+row's cache holds (its last prompt and the tokens it fed), attending to the row's cached keys
+(static_decode.suffix_attention), in pipelined turns (turn_pipeline.py) and turn by turn (one call a turn, kept
+decode graphs). On CPU in float32: the first-token logits of a whole prefill, the greedy turns of
 the decoder without reuse, the prefill and reused tokens counted; prompts that do not extend the history reuse
 nothing or only up to where they differ. On a GPU: flash attention's kernel against the masked one."""
 
@@ -10,12 +11,13 @@ import copy
 
 import pytest
 import torch
-from test_turn_pipeline import GREEDY, TURNS, ToyEnvs  # the pipelined decoder's toy envs
+from test_turn_pipeline import GREEDY, TURNS, ToyEnvs, turn_by_turn  # the pipelined decoder's toy envs
 
 from SPA_agent.generators import static_decode
-from SPA_agent.generators.hf import end_of_turn_ids, pad_token_id
+from SPA_agent.generators.hf import end_of_turn_ids, left_pad, pad_token_id
+from SPA_agent.generators.prefix_cache import PrefixCachedDecoder, fed_tokens, reusable_length
 from SPA_agent.generators.static_decode import SuffixPrefill, decode_attention_mode, masked_suffix
-from SPA_agent.generators.turn_pipeline import PipelinedDecoder, fed_tokens, reusable_length
+from SPA_agent.generators.turn_pipeline import PipelinedDecoder
 
 
 class RecordedEnvs(ToyEnvs):
@@ -128,6 +130,102 @@ def test_an_spa_rollout_with_the_reused_cache_is_the_rollout_without(varied_mode
     assert stats[1].reused_tokens > 0 and 2 * stats[1].prefill_tokens < stats[0].prefill_tokens
 
 
+def by_call(model, tokenizer, reuse: bool, keep_graphs: bool = True, edit=None) -> tuple[RecordedEnvs, PrefixCachedDecoder]:
+    """The toy envs turn by turn, one `generate_turn` call a turn over the rows still running, in the last call's
+    order reversed (so a call's rows are a subset of the last call's, in another order), each row its own
+    conversation."""
+    stop_ids = end_of_turn_ids(model, tokenizer)
+    envs = RecordedEnvs(tokenizer, stop_ids, **({"edit": edit} if edit else {}))
+    decoder = PrefixCachedDecoder(model, stop_ids, pad_token_id(tokenizer, stop_ids), keep_graphs=keep_graphs,
+                                  reuse_prefix_cache=reuse)
+    envs.stats, envs.reused = decoder.stats, []  # per call: the prompt tokens it reused
+    running, generator = list(range(len(TURNS))), torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        while running:
+            running.reverse()
+            reused_before = decoder.stats.reused_tokens
+            sampled = decoder.generate_turn([envs.prompts[row] for row in running], running, GREEDY, generator)
+            envs.reused.append(decoder.stats.reused_tokens - reused_before)
+            running = [row for row, ids in zip(running, sampled) if envs.respond(row, ids) is not None]
+    return envs, decoder
+
+
+def test_turn_by_turn_calls_with_the_reused_cache_decode_as_whole_prefills(varied_model, tiny_tokenizer, monkeypatch):
+    """One call a turn: every row's every turn has the tokens of the decoder that prefills each prompt whole
+    (test_turn_pipeline's turn-by-turn loop), while rows drop out and change places between calls (their keys
+    gathered to the front), the buffer grows (that call prefills whole) and suffixes pack a few to a forward.
+    Without kept graphs (no buffer outlives a call) nothing is reused."""
+    stop_ids = set(end_of_turn_ids(varied_model, tiny_tokenizer))
+    with torch.inference_mode():
+        whole, _ = turn_by_turn(varied_model, tiny_tokenizer, GREEDY)
+    gathered, real_gather = [], static_decode.KVStorage.gather_rows
+    monkeypatch.setattr(static_decode.KVStorage, "gather_rows",
+                        lambda storage, rows: gathered.append(rows) or real_gather(storage, rows))
+    monkeypatch.setattr(static_decode, "PREFILL_TOKENS", 40)
+    reused, decoder = by_call(varied_model, tiny_tokenizer, reuse=True)
+    assert reused.turns == whole.turns and [len(turns) for turns in reused.turns] == TURNS
+    assert any(rows != sorted(rows) for rows in gathered) and any(len(rows) < len(TURNS) for rows in gathered)
+    # per call after the first, what the rows' caches hold of their next prompts: the last prompt and the turn's
+    # tokens but the last; all of it, or nothing where the call grew the buffer (one call here)
+    expected = [sum(reusable_length(reused.given[row][turn] + fed_tokens(reused.turns[row][turn][0], stop_ids),
+                                    reused.given[row][turn + 1]) for row in range(len(TURNS)) if TURNS[row] > turn + 1)
+                for turn in range(max(TURNS) - 1)]
+    assert decoder.stats.states_built == 2 and reused.reused[0] == 0
+    grown = [call for call, (got, want) in enumerate(zip(reused.reused[1:], expected)) if got != want]
+    assert len(grown) == 1 and reused.reused[1 + grown[0]] == 0 and sum(expected) > 0
+    unkept, decoder = by_call(varied_model, tiny_tokenizer, reuse=True, keep_graphs=False)
+    assert unkept.turns == whole.turns and decoder.stats.reused_tokens == 0
+
+
+def test_a_call_that_does_not_continue_the_last_calls_chats_prefills_whole(varied_model, tiny_tokenizer):
+    """generate_turn reuses rows only for a call whose every chat the last call left in the buffer: one new chat
+    (a new rollout names new ones), or a `generate` call in between, and the call prefills whole."""
+    stop_ids = end_of_turn_ids(varied_model, tiny_tokenizer)
+    decoder = PrefixCachedDecoder(varied_model, stop_ids, pad_token_id(tiny_tokenizer, stop_ids), keep_graphs=True,
+                                  reuse_prefix_cache=True)
+    first = [tiny_tokenizer.encode(f"chat {c}: the room is #_P") for c in range(3)]
+    with torch.inference_mode():
+        sampled = decoder.generate_turn(first, ["a", "b", "c"], GREEDY, torch.Generator().manual_seed(0))
+        second = [ids + fed_tokens(turn, set(stop_ids)) + [5, 6] for ids, turn in zip(first, sampled)]
+        decoder.generate_turn(second[:2], ["a", "new"], GREEDY, torch.Generator())
+        assert decoder.stats.reused_tokens == 0
+        decoder.generate_turn(second[:1], ["a"], GREEDY, torch.Generator())
+        assert decoder.stats.reused_tokens == len(second[0]) - 1  # "a" was in the last call: all but the last id
+        decoder.generate(*left_pad([second[0] + [7]], 0, decoder.device), GREEDY, torch.Generator())
+        decoder.generate_turn([second[0] + [7, 8]], ["a"], GREEDY, torch.Generator())
+        assert decoder.stats.reused_tokens == len(second[0]) - 1
+        with pytest.raises(ValueError, match="a conversation of its own"):
+            decoder.generate_turn(second[:2], ["a", "a"], GREEDY, torch.Generator())
+
+
+@pytest.mark.slow
+def test_an_spa_rollout_turn_by_turn_with_the_reused_cache_is_the_rollout_without(varied_model, tiny_tokenizer,
+                                                                                  tiny_config):
+    """LLMAgentProxy turn by turn with kept decode graphs, greedy, two rollouts of 3 turns of SPA's add_worldmodel
+    prompts: with the reused cache, the same rollouts (every turn, the training batches' tensors); each rollout's
+    first turn prefills whole (its chats are new), the later turns only their new tokens (where the buffer did not
+    grow)."""
+    from SPA_agent.generators.hf import HFGenerator
+    from SPA_agent.rollout.agent_proxy import LLMAgentProxy
+
+    rollouts, stats = [], []
+    for reuse in (False, True):
+        cfg = tiny_config("_2_sokoban", "ctx_manager.mode=add_worldmodel", "agent_proxy.max_turn=3")
+        generator = HFGenerator(varied_model, tiny_tokenizer, GREEDY, batch_size=None, decoder="static",
+                                progress=False, decode_attention="flash", keep_decode_graphs=True,
+                                reuse_prefix_cache=reuse)
+        proxy = LLMAgentProxy(cfg, generator, tiny_tokenizer)
+        with torch.inference_mode():
+            rollouts.append([proxy.rollout(val=False) for _ in range(2)])
+        stats.append(generator._static.stats)
+    for whole, reused in zip(*rollouts):
+        assert [s.history for s in reused.states] == [s.history for s in whole.states]
+        for key, tensor in whole.batch.batch.items():
+            assert torch.equal(reused.batch.batch[key], tensor), key
+    assert stats[1].reused_tokens > 0 and stats[1].prefill_tokens + stats[1].reused_tokens <= stats[0].prefill_tokens
+    assert 5 * stats[1].prefill_tokens < 3 * stats[0].prefill_tokens  # 23.2k against 44.3k when written
+
+
 def test_reusable_length_is_the_common_prefix_less_the_prompts_last_id():
     assert reusable_length([1, 2, 3, 4], [1, 2, 3, 4, 5, 6]) == 4  # the whole cache
     assert reusable_length([1, 2, 3, 4], [1, 2, 9, 4, 5]) == 2  # up to the first differing id
@@ -207,10 +305,13 @@ def test_reuse_prefix_cache_setting_is_read_and_checked(varied_model, tiny_token
     assert generator._static_decoder().reuse_prefix_cache
     assert compose("_2_sokoban", ["model=tiny"]).generator.reuse_prefix_cache is False  # off by default
     check_config(compose("_2_sokoban", ["model=tiny", "generator.reuse_prefix_cache=true", "agent_proxy.pipeline_turns=true"]))
+    check_config(compose("_2_sokoban", ["model=tiny", "generator.reuse_prefix_cache=true",
+                                        "actor_rollout_ref.rollout.keep_decode_graphs=true"]))  # turn by turn
     with pytest.raises(ValueError, match=r"generator.reuse_prefix_cache must be one of \(True, False\), got 'yes'"):
         check_config(compose("_2_sokoban", ["model=tiny", "generator.reuse_prefix_cache=yes"]))
-    with pytest.raises(ValueError, match=r"^generator.reuse_prefix_cache=true reuses the caches of pipelined turns only"):
-        check_config(compose("_2_sokoban", ["model=tiny", "generator.reuse_prefix_cache=true"]))  # turn by turn
+    with pytest.raises(ValueError, match=r"^generator.reuse_prefix_cache=true turn by turn keeps each chat's keys in "
+                                         r"the kept KV buffer: add actor_rollout_ref.rollout.keep_decode_graphs=true"):
+        check_config(compose("_2_sokoban", ["model=tiny", "generator.reuse_prefix_cache=true"]))  # nothing to keep
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flash attention's kernel needs a CUDA GPU")
@@ -218,7 +319,7 @@ def test_suffix_prefill_on_a_gpu(varied_model, tiny_tokenizer, monkeypatch):
     """On a GPU: flash attention's variable-length kernel (bottom-right causal, keys read in the cache's rows) gives
     the masked attention in bfloat16, for suffixes of several tokens and of one each; the reusing pipelined decoder
     gives the greedy turns of the whole prefill in float32 (masked SDPA), and in float16 (flash attention's suffix
-    prefill) runs every row's turns to their end."""
+    prefill) runs every row's turns to their end; so does the decoder of one call a turn over kept CUDA graphs."""
     if not static_decode._flash_capable(torch.device("cuda")):
         pytest.skip("flash attention needs an Ampere or newer GPU")
     for offsets in ((0, 5, 37), (11, 5, 69)):  # the second: one query a suffix
@@ -235,3 +336,10 @@ def test_suffix_prefill_on_a_gpu(varied_model, tiny_tokenizer, monkeypatch):
     reused, decoder = served(half, tiny_tokenizer, reuse=True)
     assert flash_calls and [len(turns) for turns in reused.turns] == TURNS and decoder.stats.reused_tokens > 0
     assert all(0 < len(ids) <= GREEDY.max_new_tokens for turns in reused.turns for ids, _ in turns)
+    # turn by turn, one call a turn, over kept CUDA graphs: float32 as the whole prefill, float16 to the end
+    with torch.inference_mode():
+        whole, _ = turn_by_turn(model, tiny_tokenizer, GREEDY)
+    reused, decoder = by_call(model, tiny_tokenizer, reuse=True)
+    assert reused.turns == whole.turns and decoder.stats.reused_tokens > 0
+    reused, decoder = by_call(half, tiny_tokenizer, reuse=True)
+    assert [len(turns) for turns in reused.turns] == TURNS and decoder.stats.reused_tokens > 0
