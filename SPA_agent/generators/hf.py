@@ -326,7 +326,7 @@ class HFGenerator:
         input_ids, attention_mask = left_pad(batch, self.pad_id, self.device)
         if self.decoder == "generate":
             return self._with_generate(input_ids, attention_mask, generator)
-        return self._static_decoder().generate(input_ids, attention_mask, self.sampling, generator).tolist()
+        return self._static_decoder().generate(input_ids, attention_mask, self.sampling, generator, batch).tolist()
 
     def _with_generate(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, generator: torch.Generator

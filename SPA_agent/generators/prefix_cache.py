@@ -36,7 +36,13 @@ from collections.abc import Hashable
 import torch
 
 from SPA_agent.generators.base import SamplingParams
-from SPA_agent.generators.static_decode import SUFFIX_KWARG, StaticDecoder, SuffixPrefill, _DecodeState
+from SPA_agent.generators.static_decode import (
+    SHARED_KERNEL,
+    SUFFIX_KWARG,
+    StaticDecoder,
+    SuffixPrefill,
+    _DecodeState,
+)
 
 
 class PrefixCachedDecoder(StaticDecoder):
@@ -53,9 +59,9 @@ class PrefixCachedDecoder(StaticDecoder):
         self._cached_in = None
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams,
-                 generator: torch.Generator) -> torch.Tensor:
+                 generator: torch.Generator, prompt_ids: list[list[int]] | None = None) -> torch.Tensor:
         self._rows_of = {}  # this call overwrites the rows
-        return super().generate(input_ids, attention_mask, params, generator)
+        return super().generate(input_ids, attention_mask, params, generator, prompt_ids)
 
     def generate_turn(self, prompts: list[list[int]], conversations: list[Hashable], params: SamplingParams,
                       generator: torch.Generator) -> list[list[int]]:
@@ -77,7 +83,7 @@ class PrefixCachedDecoder(StaticDecoder):
             prefill = lambda: self._prefill_suffixes(state, list(range(batch)), prompts, offsets)  # noqa: E731
         else:
             prefill = lambda: self._prefill_rows(state, list(range(batch)), prompts)  # noqa: E731
-        tokens = self._run(state, prefill, lengths, params, generator).tolist()
+        tokens = self._run(state, prefill, lengths, params, generator, prompts).tolist()
         if self.reuse_prefix_cache and self.keep_graphs:
             self._rows_of = {conversation: row for row, conversation in enumerate(conversations)}
             self._cached = [ids + fed_tokens(sampled, self._stop_set) for ids, sampled in zip(prompts, tokens)]
@@ -99,8 +105,10 @@ class PrefixCachedDecoder(StaticDecoder):
         for i, ids in enumerate(prompts):
             padded[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         lengths = torch.tensor([len(ids) for ids in prompts], device=self.device)
-        return self._prefill(state, padded.to(self.device), lengths,
-                             cache_rows=torch.tensor(rows, device=self.device))
+        cache_rows = torch.tensor(rows, device=self.device)
+        if self.attention == SHARED_KERNEL:  # identical prompts prefilled once
+            return self._prefill_once(state, padded.to(self.device), lengths, prompts, cache_rows)
+        return self._prefill(state, padded.to(self.device), lengths, cache_rows=cache_rows)
 
     def _prefill_suffixes(self, state: _DecodeState, rows: list[int], prompts: list[list[int]],
                           offsets: list[int]) -> torch.Tensor:

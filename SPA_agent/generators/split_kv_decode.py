@@ -49,14 +49,16 @@ def available() -> bool:
 
 
 def resolve(setting: str, device: torch.device) -> str:
-    """The static decoder's attention kernel (`flash` or `split_kv`) for generator.decode_attention on `device`;
-    a one-line ValueError where split_kv cannot run (no triton; CPU tensors outside Triton's interpreter)."""
+    """The static decoder's attention kernel (one of ATTENTION_KERNELS) for generator.decode_attention on `device`;
+    a one-line ValueError where a Triton kernel (split_kv, split_kv_shared) cannot run (no triton; CPU tensors
+    outside Triton's interpreter)."""
     if setting not in SETTINGS:
         raise ValueError(f"generator.decode_attention must be one of {SETTINGS}, got {setting!r}")
     if setting == "auto":
         return "split_kv" if device.type == "cuda" and available() else "flash"
-    if setting == "split_kv" and not (available() and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")):
-        raise ValueError("generator.decode_attention=split_kv needs triton and a CUDA GPU; "
+    triton_runs = available() and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+    if setting != "flash" and not triton_runs:
+        raise ValueError(f"generator.decode_attention={setting} needs triton and a CUDA GPU; "
                          "set generator.decode_attention=flash")
     return setting
 
@@ -135,18 +137,25 @@ def _kernels():
     return _partials, _combine
 
 
+def check_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    """One-line errors for inputs the kernels do not read: keys and values of two layouts, a head dimension not
+    contiguous, a head size not a power of two of at least 16."""
+    head_dim = query.shape[-1]
+    if key.stride() != value.stride() or key.stride(-1) != 1 or query.stride(-1) != 1:
+        raise ValueError("split_kv_decode needs keys and values of one layout, contiguous in the head dimension")
+    if head_dim & (head_dim - 1) or head_dim < 16:
+        raise ValueError(f"split_kv_decode needs a power-of-two head size of at least 16, got {head_dim}")
+
+
 def split_kv_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_lengths: torch.Tensor,
                     scaling: float | None = None) -> torch.Tensor:
     """Decode attention: query (B, H, 1, D), cache key/value (B, L, H_kv, D), row b reading its first
     kv_lengths[b] ≥ 1 keys; (B, 1, H, D) in the query's dtype. Query head h reads key/value head h // (H / H_kv),
     as in transformers' `repeat_kv`."""
     partials, combine = _kernels()
+    check_inputs(query, key, value)
     batch, heads, _, head_dim = query.shape
     length, kv_heads = key.shape[1], key.shape[2]
-    if key.stride() != value.stride() or key.stride(-1) != 1 or query.stride(-1) != 1:
-        raise ValueError("split_kv_decode needs keys and values of one layout, contiguous in the head dimension")
-    if head_dim & (head_dim - 1) or head_dim < 16:
-        raise ValueError(f"split_kv_decode needs a power-of-two head size of at least 16, got {head_dim}")
     group = heads // kv_heads
     group_rows = max(MIN_GROUP_ROWS, 1 << (group - 1).bit_length())
     num_splits = -(-length // SPLIT)

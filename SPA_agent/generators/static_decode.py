@@ -16,8 +16,10 @@ dominates decoding time for GQA models at large batch. Here:
   per row and head (not G times), keys and values are never copied, and padding and the unwritten tail are never
   read. With `attention="split_kv"` (generator.decode_attention, the GPU default where triton is installed) our
   Triton split-KV kernel does the same attention with each row's keys spread over thread blocks
-  (split_kv_decode.py). Elsewhere the same prefix is masked in one SDPA call whose query rows are the G = H / H_kv
-  query heads sharing a key/value head;
+  (split_kv_decode.py); with `attention="split_kv_shared"` (opt-in) the rows whose prompts start with the same ids
+  (a PPO batch's samples of one puzzle) read that common prefix once per group of rows, and identical prompts are
+  prefilled once, their keys copied (`_prefill_once`; shared_prefix_decode.py). Elsewhere the same prefix is masked in
+  one SDPA call whose query rows are the G = H / H_kv query heads sharing a key/value head;
 - a row that has finished (emitted an end of turn) keeps its place in the batch but attends to its first key only:
   a turn decodes until its longest sample ends (on SmolLM2 about 255 steps while the mean sample is ~100 tokens),
   and decode attention reads each row's whole history, so most of its reads were for rows already finished.
@@ -72,9 +74,14 @@ DECODE_KWARG = "spa_decode"
 #: keyword argument of a suffix prefill (a `SuffixPrefill`): prompt suffixes packed into one sequence, each attending to
 #: its cache row's keys before it (turn_pipeline.py, generator.reuse_prefix_cache), see `suffix_attention`
 SUFFIX_KWARG = "spa_suffix"
-#: decode attention kernels: `flash` (flash attention's variable-length forward where it runs, masked SDPA elsewhere)
-#: or `split_kv` (split_kv_decode.py, Triton)
-ATTENTION_KERNELS = ("flash", "split_kv")
+#: keyword argument the decode step passes down with the `split_kv_shared` kernel: (shared_lengths (B,) int32,
+#: groups (N, MEMBERS) int32), the prefix tables of shared_prefix_decode.py (None with the other kernels)
+PREFIX_KWARG = "spa_shared_prefix"
+#: decode attention kernels: `flash` (flash attention's variable-length forward where it runs, masked SDPA elsewhere),
+#: `split_kv` (split_kv_decode.py, Triton) or `split_kv_shared` (shared_prefix_decode.py: split_kv reading a prefix
+#: that a group of rows shares once for the group)
+ATTENTION_KERNELS = ("flash", "split_kv", "split_kv_shared")
+SHARED_KERNEL = "split_kv_shared"
 # On GPU, cache lengths are multiples of this, so batches of similar length share a graph.
 PROMPT_BUCKET = 64
 #: with keep_graphs: decode states hold a multiple of this many rows (the rest are padding rows)
@@ -124,6 +131,10 @@ def decode_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         from SPA_agent.generators.split_kv_decode import split_kv_decode
 
         return split_kv_decode(query, key, value, kv_lengths, scaling), None
+    if kernel == SHARED_KERNEL:
+        from SPA_agent.generators.shared_prefix_decode import shared_prefix_decode
+
+        return shared_prefix_decode(query, key, value, kv_lengths, kwargs[PREFIX_KWARG], scaling), None
     if uses_flash_decode(query):
         return flash_decode(query, key, value, kv_lengths, cu_q, cu_k, scaling), None
     return masked_decode(query, key, value, kv_lengths, scaling), None
@@ -295,6 +306,12 @@ class KVStorage:
             self.values.append(value_states.new_zeros(shape))
         return self.keys[layer_idx][:rows], self.values[layer_idx][:rows]
 
+    def copy_rows(self, sources: torch.Tensor, targets: torch.Tensor, width: int) -> None:
+        """Rows `targets` take rows `sources`' first `width` keys and values, in every layer (a copy on the device)."""
+        for buffers in (self.keys, self.values):
+            for buffer in buffers:
+                buffer[targets, :width] = buffer[sources, :width]
+
     def gather_rows(self, rows: list[int]) -> None:
         """Row i takes row rows[i]'s keys and values, in every layer (a copy on the device; any order)."""
         if rows == list(range(len(rows))):
@@ -372,6 +389,7 @@ class DecodeStats:
 
     prefill_tokens: int = 0  # prompt positions run through prefill, padding of each chunk included
     reused_tokens: int = 0  # prompt positions not prefilled: their keys were in the row's cache (reuse_prefix_cache)
+    copied_tokens: int = 0  # prompt positions not prefilled: copied from an identical prompt's row (split_kv_shared)
     decode_steps: int = 0  # one-token forward passes of the whole decode batch
     capture_s: float = 0.0  # seconds spent capturing CUDA graphs
     states_built: int = 0  # decode states built (on GPU a CUDA graph each); keep_graphs reuses them across calls
@@ -396,6 +414,12 @@ class _DecodeState:
         self.finished = torch.zeros(batch, dtype=torch.bool, device=device)  # rows that emitted an end of turn
         # DECODE_KWARG: lengths, cu_seqlens of the grouped queries (G a row) and of the keys, the kernel
         self.decode = (self.kv_lengths, rows * group, rows * max_len, attention)
+        self.prefixes = None  # with split_kv_shared, the rows' shared prefixes (`share_prefixes`)
+        if attention == SHARED_KERNEL:
+            from SPA_agent.generators.shared_prefix_decode import PrefixTables
+
+            self.prefixes = PrefixTables(batch, device)
+        self.prefix_tensors = None if self.prefixes is None else self.prefixes.tensors  # PREFIX_KWARG
         self.cache = StaticKVCache(batch, storage, self.write_rows)
         self.graph, self.logits = None, None
         self.capture_s = 0.0
@@ -412,7 +436,7 @@ class _DecodeState:
             past_key_values=self.cache,
             use_cache=True,
             logits_to_keep=1,
-            **{DECODE_KWARG: self.decode},
+            **{DECODE_KWARG: self.decode, PREFIX_KWARG: self.prefix_tensors},
         )
         return output.logits[:, -1].float()
 
@@ -421,6 +445,14 @@ class _DecodeState:
             return self._step_fn(self)
         self.graph.replay()
         return self.logits
+
+    def share_prefixes(self, prompts: list[list[int]]) -> None:
+        """With split_kv_shared: the call's rows whose prompts start with the same ids read that prefix once per
+        group (shared_prefix_decode.py; the rows past the call's share nothing). Nothing with other kernels."""
+        if self.prefixes is not None:
+            from SPA_agent.generators.shared_prefix_decode import shared_prefixes
+
+            self.prefixes.fill(*shared_prefixes(prompts))
 
     def pad_rows(self, batch: int) -> None:
         """Rows from `batch` on are padding (keep_graphs' batch bucket): finished from the start, so each reads one
@@ -496,12 +528,19 @@ class StaticDecoder:
         attention_mask: torch.Tensor,
         params: SamplingParams,
         generator: torch.Generator,
+        prompt_ids: list[list[int]] | None = None,
     ) -> torch.Tensor:
         """Sampled ids (B, max_new_tokens) for left-padded prompts (B, P); after a sequence's end-of-turn
-        token its row holds `pad_id`."""
+        token its row holds `pad_id`. split_kv_shared compares the prompts' ids on the host: `prompt_ids`, the same
+        prompts unpadded, if the caller has them (else copied from the device)."""
         prompts, lengths = left_aligned(input_ids, attention_mask, self.pad_id)
         state = self._call_state(prompts.shape[0], prompts.shape[1] + params.max_new_tokens)
-        return self._run(state, lambda: self._prefill(state, prompts, lengths), lengths, params, generator)
+        if self.attention != SHARED_KERNEL:
+            return self._run(state, lambda: self._prefill(state, prompts, lengths), lengths, params, generator)
+        if prompt_ids is None:
+            prompt_ids = [ids[:length] for ids, length in zip(prompts.tolist(), lengths.tolist())]
+        return self._run(state, lambda: self._prefill_once(state, prompts, lengths, prompt_ids), lengths, params,
+                         generator, prompt_ids)
 
     def _call_state(self, batch: int, max_len: int) -> _DecodeState:
         """The decode state of a call of `batch` prompts needing `max_len` keys a row (CUDA graphs: rounded up to
@@ -513,13 +552,15 @@ class StaticDecoder:
         return self._state_for(batch, max_len)
 
     def _run(self, state: _DecodeState, prefill, lengths: torch.Tensor, params: SamplingParams,
-             generator: torch.Generator) -> torch.Tensor:
+             generator: torch.Generator, prompt_ids: list[list[int]] | None = None) -> torch.Tensor:
         """Capture the state's graph (once), prefill (`prefill()`: the first new tokens' logits) and decode the
-        call's rows, the prompts of `lengths`; (B, max_new_tokens) sampled ids."""
+        call's rows, the prompts of `lengths` (their ids `prompt_ids`, which split_kv_shared needs: the prefixes
+        they share are read once); (B, max_new_tokens) sampled ids."""
         captured_before = state.capture_s
         with decode_attention_mode(self.model):
             state.capture()
             state.pad_rows(len(lengths))
+            state.share_prefixes(prompt_ids or [])
             logits = prefill()
             tokens = self._decode(state, logits, lengths, params, generator)
         self.last_capture_s = state.capture_s - captured_before
@@ -593,6 +634,29 @@ class StaticDecoder:
         finally:
             state.cache.prefill_rows = None
         return torch.cat(logits)[torch.argsort(torch.tensor(order, device=self.device))]
+
+    def _prefill_once(self, state: _DecodeState, prompts: torch.Tensor, lengths: torch.Tensor,
+                      prompt_ids: list[list[int]], cache_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """`_prefill` with each distinct prompt (ids `prompt_ids`) prefilled once, into the row of its first
+        occurrence, and its keys and values copied to its repeats' rows (split_kv_shared: a PPO batch repeats each
+        prompt of turn 1, SPA 8 times). Same logits and keys as the repeats' own prefill would compute, up to the
+        rounding of a forward of other rows."""
+        first: dict[tuple[int, ...], int] = {}
+        sources = [first.setdefault(tuple(ids), row) for row, ids in enumerate(prompt_ids)]
+        if len(first) == len(sources):
+            return self._prefill(state, prompts, lengths, cache_rows)
+        unique = torch.tensor(list(first.values()), device=self.device)
+        rows = unique if cache_rows is None else cache_rows[unique]
+        logits = self._prefill(state, prompts[unique], lengths[unique], rows)
+        targets = [row for row, source in enumerate(sources) if source != row]
+        repeats = torch.tensor(targets, device=self.device)
+        copied_from = torch.tensor([sources[row] for row in targets], device=self.device)
+        if cache_rows is not None:
+            repeats, copied_from = cache_rows[repeats], cache_rows[copied_from]
+        self._storage.copy_rows(copied_from, repeats, int(lengths.max()))
+        self.stats.copied_tokens += sum(len(prompt_ids[row]) for row in targets)
+        position = {row: index for index, row in enumerate(first.values())}
+        return logits[torch.tensor([position[source] for source in sources], device=self.device)]
 
     def _decode(
         self,

@@ -67,3 +67,95 @@ def test_decoder_samples_what_it_samples_with_the_masked_attention(varied_model,
     sampling = SamplingParams(temperature=1.0, max_new_tokens=12, seed=5)
     expected = generations(varied_model, tiny_tokenizer, prompts, sampling, "flash")
     assert generations(varied_model, tiny_tokenizer, prompts, sampling, "split_kv") == expected
+
+
+# --- split_kv_shared (shared_prefix_decode.py): a prefix that a group of rows shares read once ---------------------
+#: (query heads, key/value heads, head size, cache length, groups (leader first), per row its shared keys and kv
+#: length): a group of 8 over more than a split (SmolLM2's 9/3 heads), members sharing less than their leader, a
+#: finished member; Qwen2.5-0.5B's G = 7 (56 query rows a group), a prefix of exactly one split and of kv length - 1,
+#: a finished leader; no grouping with the leader not the first row; a group whose every member has finished
+SHARED_CASES = {
+    "smollm2_group_of_8": (9, 3, 64, 600, [[0, 1, 2, 3, 4, 5, 6, 7], [8, 9]],
+                           [300, 300, 250, 300, 290, 300, 300, 300, 70, 65, 0],
+                           [301, 1, 400, 600, 291, 350, 512, 513, 71, 66, 600]),
+    "qwen_g7_finished_leader": (14, 2, 64, 300, [[0, 1, 2], [3, 4]], [256, 200, 256, 100, 100, 0],
+                                [257, 300, 1, 1, 150, 77]),
+    "no_gqa_leader_not_first": (4, 4, 32, 257, [[1, 0, 2]], [64, 64, 64], [65, 257, 130]),
+    "one_kv_head_all_finished": (8, 1, 16, 70, [[0, 1], [2, 3]], [69, 69, 64, 64], [70, 70, 1, 1]),
+}
+
+
+def shared_inputs(heads, kv_heads, head_dim, length, groups, shared, kv_lengths, dtype=torch.float32):
+    """Decode queries and a cache in which each member's first `shared` keys and values are its leader's (so the
+    masked reference, reading every row's own keys, is what reading the leader's gives), and the prefix tables."""
+    from SPA_agent.generators.shared_prefix_decode import PrefixTables
+
+    batch = len(shared)
+    query, key, value, _ = decode_inputs(batch, heads, kv_heads, head_dim, length)
+    for group in groups:
+        for member in group:
+            key[member, : shared[member]] = key[group[0], : shared[member]]
+            value[member, : shared[member]] = value[group[0], : shared[member]]
+    tables = PrefixTables(batch, torch.device("cpu"))
+    tables.fill(shared, groups)
+    return (query.to(dtype), key.to(dtype), value.to(dtype), torch.tensor(kv_lengths, dtype=torch.int32),
+            tables.tensors)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+@pytest.mark.parametrize("case", list(SHARED_CASES))
+def test_shared_prefix_kernels_equal_the_masked_reference(case, dtype):
+    """(bfloat16 only on a GPU: Triton's interpreter turns bfloat16 tensors to garbage, split_kv's kernels' too.)"""
+    from SPA_agent.generators.shared_prefix_decode import shared_prefix_decode
+
+    query, key, value, kv_lengths, tables = shared_inputs(*SHARED_CASES[case], dtype=dtype)
+    output = shared_prefix_decode(query, key, value, kv_lengths, tables, scaling=0.3)
+    reference = masked_decode(query.float(), key.float(), value.float(), kv_lengths, scaling=0.3)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(output.float(), reference, atol=tolerance, rtol=tolerance)
+
+
+def test_shared_prefix_is_read_from_the_leader_and_nothing_past_a_rows_length():
+    """NaN in every member's own copy of its shared prefix and past every row's length: the output is unchanged."""
+    from SPA_agent.generators.shared_prefix_decode import shared_prefix_decode
+
+    heads, kv_heads, head_dim, length, groups, shared, lengths = SHARED_CASES["smollm2_group_of_8"]
+    query, key, value, kv_lengths, tables = shared_inputs(heads, kv_heads, head_dim, length, groups, shared, lengths)
+    before = shared_prefix_decode(query, key, value, kv_lengths, tables)
+    for group in groups:
+        for member in group[1:]:
+            prefix = min(shared[member], lengths[member] - 1)
+            key[member, :prefix], value[member, :prefix] = float("nan"), float("nan")
+    for row, row_length in enumerate(lengths):
+        key[row, row_length:], value[row, row_length:] = float("nan"), float("nan")
+    torch.testing.assert_close(shared_prefix_decode(query, key, value, kv_lengths, tables), before)
+
+
+def grouped_prompts(make_prompt) -> list:
+    """Rows in a group as a PPO batch has them: two identical prompts (the tiny model ends their turn after 13
+    greedy tokens), one that shares all but its last ids with those, and a short prompt alone (below the shortest
+    shared prefix)."""
+    grid = "######\n#O####\n#XP###\n#__###\n######\n"
+    return [make_prompt(text) for text in [grid * 4 + "You", grid * 4 + "Up", grid * 4 + "You", "Short"]]
+
+
+@pytest.mark.slow
+def test_decoder_with_shared_prefixes_samples_what_its_cpu_attention_samples(varied_model, tiny_tokenizer,
+                                                                            make_prompt, monkeypatch):
+    """split_kv_shared in every layer (float32, greedy; the identical prompts prefilled once, their keys copied)
+    emits the tokens and finish reasons of the CPU's masked attention, which split_kv's emits too (the test above),
+    while a group's members finish at different steps. (Against the masked attention rather than split_kv under the
+    interpreter: that run alone would take ~10 s more.)"""
+    from SPA_agent.generators.shared_prefix_decode import PrefixTables
+
+    fills = []
+    real_fill = PrefixTables.fill
+    monkeypatch.setattr(PrefixTables, "fill", lambda self, shared, groups: (fills.append((shared, groups)),
+                                                                             real_fill(self, shared, groups)))
+    prompts = grouped_prompts(make_prompt)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=14)
+    expected = generations(varied_model, tiny_tokenizer, prompts, greedy, "flash")
+    assert [reason for _, reason in expected] == ["stop", "length", "stop", "length"]
+    assert generations(varied_model, tiny_tokenizer, prompts, greedy, "split_kv_shared") == expected
+    # the decode batch in length order (Short, You, Up, You): the Yous share their 88 ids, Up its first 76 with them
+    assert fills == [([0, 88, 76, 88], [[1, 3, 2]])]

@@ -78,7 +78,8 @@ def test_unsupported_head_sizes_and_layouts_are_one_line_errors():
     query, key, value, kv_lengths = decode_inputs(2, 4, 2, 32, 40)
     with pytest.raises(ValueError, match="keys and values of one layout"):
         split_kv_decode.split_kv_decode(query, key, value.transpose(1, 2).contiguous().transpose(1, 2), kv_lengths)
-    with pytest.raises(ValueError, match=r"decode attention must be one of \('flash', 'split_kv'\), got 'paged'"):
+    with pytest.raises(ValueError, match=r"decode attention must be one of \('flash', 'split_kv', 'split_kv_shared'\), "
+                                         r"got 'paged'"):
         StaticDecoder(torch.nn.Linear(1, 1), stop_ids=[0], pad_id=0, attention="paged")
 
 
@@ -112,6 +113,6 @@ def test_setting_resolves_per_device_and_unknown_ones_are_refused_before_any_mod
     with pytest.raises(ValueError, match="decode_attention=split_kv needs triton and a CUDA GPU; set generator"):
         split_kv_decode.resolve("split_kv", cpu)
     check_config(compose("_2_sokoban", ["model=tiny"]))  # its default: auto
-    with pytest.raises(ValueError, match=r"generator.decode_attention must be one of \('auto', 'flash', 'split_kv'\), "
-                                         r"got 'paged'"):
+    with pytest.raises(ValueError, match=r"generator.decode_attention must be one of \('auto', 'flash', 'split_kv', "
+                                         r"'split_kv_shared'\), got 'paged'"):
         check_config(compose("_2_sokoban", ["model=tiny", "generator.decode_attention=paged"]))

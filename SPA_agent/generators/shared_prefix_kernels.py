@@ -1,0 +1,127 @@
+"""The Triton kernels of shared_prefix_decode.py (its docstring says what they compute). A module of its own, imported
+on first use, so that importing the decoder needs no triton; Triton finds the helpers a kernel calls among a module's
+globals, which functions defined inside a function are not."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _attend(q, K, V, base, stride_kl, start, end, limits, scale_log2, d,
+            ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Query rows q (ROWS, D) against keys [start, end) of the cache row at `base`, query row r reading the keys
+    below limits[r] (> start, so each row reads at least one key); the normalised output (ROWS, D) and the log-sum-exp
+    (base 2) of each row. split_kv_decode's arithmetic: float32 scores and sums, probabilities rounded to the value
+    dtype before their product with the values."""
+    best = tl.full([ROWS], float("-inf"), tl.float32)
+    total = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+    for n in range(start, end, BLOCK_N):
+        keys = n + tl.arange(0, BLOCK_N)
+        valid = keys < end
+        offsets = base + keys[:, None] * stride_kl + d[None, :]
+        k = tl.load(K + offsets, mask=valid[:, None], other=0.0)
+        v = tl.load(V + offsets, mask=valid[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+        scores = tl.where(keys[None, :] < limits[:, None], scores, float("-inf"))
+        new_best = tl.maximum(best, tl.max(scores, 1))
+        p = tl.exp2(scores - new_best[:, None])
+        rescale = tl.exp2(best - new_best)
+        total = total * rescale + tl.sum(p, 1)
+        acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        best = new_best
+    return acc / total[:, None], best + tl.log2(total)
+
+
+@triton.jit
+def group_partials(Q, K, V, kv_lengths, shared_lengths, groups, partial_out, partial_lse, scale_log2,
+                   stride_qb, stride_qh, stride_kb, stride_kl, stride_kh, num_slots,
+                   KV_HEADS: tl.constexpr, GROUP: tl.constexpr, MEMBERS: tl.constexpr, QUERY_ROWS: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program per (group, key/value head, split of the prefix): the G query heads of every member in one query
+    block, the prefix keys read once from the leader's row; each member's partial of the split (prefix slots)."""
+    group, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    r = tl.arange(0, QUERY_ROWS)  # query row r: query head head·G + r % G of member r // G
+    member, g = r // GROUP, r % GROUP
+    rows = tl.load(groups + group * MEMBERS + member, mask=member < MEMBERS, other=-1).to(tl.int64)
+    present = rows >= 0
+    limits = tl.minimum(tl.load(shared_lengths + rows, mask=present, other=0),
+                        tl.load(kv_lengths + rows, mask=present, other=1) - 1)  # each member's prefix
+    start = split * SPLIT
+    length = tl.max(limits, 0)
+    if start < length:
+        end = tl.minimum(start + SPLIT, length)
+        used = limits > start  # members whose prefix reaches into this split
+        d = tl.arange(0, HEAD_DIM)
+        q = tl.load(Q + rows[:, None] * stride_qb + (head * GROUP + g)[:, None] * stride_qh + d[None, :],
+                    mask=used[:, None], other=0.0)
+        leader = tl.load(groups + group * MEMBERS).to(tl.int64)
+        out, lse = _attend(q, K, V, leader * stride_kb + head * stride_kh, stride_kl, start, end,
+                           tl.where(used, limits, end), scale_log2, d, QUERY_ROWS, HEAD_DIM, BLOCK_N)
+        slot = (rows * KV_HEADS + head) * num_slots + split  # (B, H_kv, slots) flattened; prefix slots first
+        tl.store(partial_out + (slot * GROUP + g)[:, None] * HEAD_DIM + d[None, :], out, mask=used[:, None])
+        tl.store(partial_lse + slot * GROUP + g, lse, mask=used)
+
+
+@triton.jit
+def row_partials(Q, K, V, kv_lengths, shared_lengths, partial_out, partial_lse, scale_log2,
+                 stride_qb, stride_qh, stride_kb, stride_kl, stride_kh, num_splits, num_slots,
+                 KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program per (row, key/value head, split of the row's own keys [prefix, kv_length)): split_kv_decode's
+    partials, in the slots after the prefix's."""
+    row, head, split = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)  # int64: large caches
+    length = tl.load(kv_lengths + row)
+    start = tl.minimum(tl.load(shared_lengths + row), length - 1) + split * SPLIT
+    if start < length:
+        end = tl.minimum(start + SPLIT, length)
+        g = tl.arange(0, GROUP_ROWS)
+        d = tl.arange(0, HEAD_DIM)
+        q = tl.load(Q + row * stride_qb + (head * GROUP + g)[:, None] * stride_qh + d[None, :],
+                    mask=(g < GROUP)[:, None], other=0.0)
+        out, lse = _attend(q, K, V, row * stride_kb + head * stride_kh, stride_kl, start, end,
+                           tl.zeros([GROUP_ROWS], tl.int32) + end, scale_log2, d, GROUP_ROWS, HEAD_DIM, BLOCK_N)
+        slot = (row * KV_HEADS + head) * num_slots + num_splits + split
+        tl.store(partial_out + (slot * GROUP + g)[:, None] * HEAD_DIM + d[None, :], out, mask=(g < GROUP)[:, None])
+        tl.store(partial_lse + slot * GROUP + g, lse, mask=g < GROUP)
+
+
+@triton.jit
+def _merge(partial_out, partial_lse, first, count, best, total, acc, g, d,
+           GROUP: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The running (best, total, acc) with `count` partials from slot `first` on merged in by log-sum-exp."""
+    for slot in range(first, first + count):
+        lse = tl.load(partial_lse + slot * GROUP + g, mask=g < GROUP, other=0.0)
+        part = tl.load(partial_out + (slot * GROUP + g)[:, None] * HEAD_DIM + d[None, :],
+                       mask=(g < GROUP)[:, None], other=0.0)
+        new_best = tl.maximum(best, lse)
+        rescale, weight = tl.exp2(best - new_best), tl.exp2(lse - new_best)
+        acc = acc * rescale[:, None] + weight[:, None] * part
+        total = total * rescale + weight
+        best = new_best
+    return best, total, acc
+
+
+@triton.jit
+def combine(partial_out, partial_lse, kv_lengths, shared_lengths, out, num_splits, num_slots,
+            KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr,
+            HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr):
+    """One program per (row, key/value head): the row's prefix partials and its own merged; out (B, 1, H, D)."""
+    row, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    length = tl.load(kv_lengths + row)
+    prefix = tl.minimum(tl.load(shared_lengths + row), length - 1)
+    g = tl.arange(0, GROUP_ROWS)
+    d = tl.arange(0, HEAD_DIM)
+    first = (row * KV_HEADS + head) * num_slots
+    best = tl.full([GROUP_ROWS], float("-inf"), tl.float32)
+    total = tl.zeros([GROUP_ROWS], tl.float32)
+    acc = tl.zeros([GROUP_ROWS, HEAD_DIM], tl.float32)
+    best, total, acc = _merge(partial_out, partial_lse, first, tl.cdiv(prefix, SPLIT), best, total, acc, g, d,
+                              GROUP, HEAD_DIM)
+    best, total, acc = _merge(partial_out, partial_lse, first + num_splits, tl.cdiv(length - prefix, SPLIT),
+                              best, total, acc, g, d, GROUP, HEAD_DIM)
+    heads = (row * KV_HEADS + head) * GROUP + g  # out (B, 1, H, D) contiguous: query head head·G + g of the row
+    tl.store(out + heads[:, None] * HEAD_DIM + d[None, :], (acc / total[:, None]).to(out.dtype.element_ty),
+             mask=(g < GROUP)[:, None])
