@@ -9,11 +9,16 @@ decoder's cache is filled by a prefill of B prompts of C random ids, then timed 
 - `sample`: softmax + multinomial over the float32 logits (temperature 1, no top-k/top-p: the PPO settings);
 - `attention/<path>`: one layer's decode attention (queries (B, H, 1, D) against the cache (B, L, H_kv, D), each
   row reading its first C+1 keys, a finished row one) through flash attention's variable-length kernel (`flash`),
-  the Triton split-KV kernel (`split_kv`, split_kv_decode.py) and one masked SDPA call (`masked`, the path on
+  the Triton split-KV kernel (`split_kv`, split_kv_decode.py), the split-KV kernel that reads a prefix shared by a
+  group of rows once (`split_kv_shared`, shared_prefix_decode.py) and one masked SDPA call (`masked`, the path on
   CPU), times the number of layers (so it compares with `step`); `max_gap/<path>`: its largest difference from
   `masked`.
 
---attention names the decode attention kernels whose whole step is timed (`step_ms/<kernel>`; default: both).
+--shared-prefix P (default 556, SPA's first prompt on SmolLM2): the rows come in groups of 8, as a PPO batch's samples
+of a puzzle, whose prompts (and, for `attention/*`, keys and values) share their first min(P, C) positions; only
+`split_kv_shared` reads them once a group (the others cost the same for any ids).
+
+--attention names the decode attention kernels whose whole step is timed (`step_ms/<kernel>`; default: all).
 --split-kv-tiles SPLITxBLOCK_NxWARPS ... times the split-KV step and its attention alone with other tile sizes
 (split_kv_decode.SPLIT, BLOCK_N, NUM_WARPS), after the Liger patch when --liger is given.
 
@@ -41,6 +46,7 @@ from model_shapes import SHAPES
 
 from SPA_agent.generators import liger_decode, split_kv_decode
 from SPA_agent.generators.base import SamplingParams
+from SPA_agent.generators.shared_prefix_decode import PrefixTables, shared_prefix_decode
 from SPA_agent.generators.static_decode import (
     ATTENTION_KERNELS,
     PROMPT_BUCKET,
@@ -83,13 +89,23 @@ def decode_model(shape: str):
         return LlamaForCausalLM(config).to(torch.bfloat16).eval()
 
 
-def filled_state(decoder: StaticDecoder, batch: int, context: int, steps: int, vocab: int, finished: float = 0.0):
-    """Decoder state after a prefill of `batch` prompts of `context` random ids, ready for decode steps; the
-    prefill's milliseconds and the first logits."""
+#: rows a group of samples of one prompt (--shared-prefix): SPA's group size
+GROUP = 8
+
+
+def filled_state(decoder: StaticDecoder, batch: int, context: int, steps: int, vocab: int, finished: float = 0.0,
+                 shared: int = 0):
+    """Decoder state after a prefill of `batch` prompts of `context` random ids, each group of GROUP rows sharing its
+    first `shared`, ready for decode steps (split_kv_shared's tables filled); the prefill's milliseconds and the first
+    logits."""
     max_len = context + steps
     max_len += -max_len % PROMPT_BUCKET
     state = decoder._state_for(batch, max_len)
     prompts = torch.randint(3, vocab, (batch, context), device="cuda")
+    leaders = torch.arange(batch, device="cuda") // GROUP * GROUP
+    prompts[:, :shared] = prompts[leaders, :shared]
+    if state.prefixes is not None:
+        state.share_prefixes(prompts.tolist())
     lengths = torch.full((batch,), context, device="cuda")
     state.capture()
     logits = decoder._prefill(state, prompts, lengths)
@@ -114,7 +130,7 @@ def time_step(model, args, context: int, liger: bool = False, attention: str = "
     decoder = StaticDecoder(model, stop_ids=[1], pad_id=0, attention=attention)
     with torch.inference_mode(), decode_attention_mode(model), kernels(model, liger):
         state, prefill_ms, _ = filled_state(decoder, args.batch, context, args.steps, model.config.vocab_size,
-                                            args.finished)
+                                            args.finished, min(args.shared_prefix, context))
         for _ in range(3):
             state.step()
         return prefill_ms, cuda_ms(state.step, args.steps)
@@ -130,6 +146,9 @@ def attention_times(config, args, context: int) -> dict[str, float]:
     key, value = (torch.randn(batch, length, kv_heads, head_dim, **to) for _ in range(2))
     kv_lengths = torch.full((batch,), context + 1, device="cuda", dtype=torch.int32)
     kv_lengths[: finished_rows(batch, args.finished)] = 1
+    shared = min(args.shared_prefix, context)
+    leaders = torch.arange(batch, device="cuda") // GROUP * GROUP
+    key[:, :shared], value[:, :shared] = key[leaders, :shared], value[leaders, :shared]
     rows = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
     scale = head_dim**-0.5
     cu_q = rows * (heads // kv_heads)  # the grouped queries: G a row
@@ -138,6 +157,9 @@ def attention_times(config, args, context: int) -> dict[str, float]:
     paths = {"flash": flash, "masked": masked}
     if split_kv_decode.available():
         paths["split_kv"] = lambda: split_kv_decode.split_kv_decode(query, key, value, kv_lengths, scale)
+        tables = PrefixTables(batch, torch.device("cuda"))
+        tables.fill([shared] * batch, [list(range(start, min(start + GROUP, batch))) for start in range(0, batch, GROUP)])
+        paths["split_kv_shared"] = lambda: shared_prefix_decode(query, key, value, kv_lengths, tables.tensors, scale)
     reference = masked().float()
     times = {name: cuda_ms(fn, args.steps) * config.num_hidden_layers for name, fn in paths.items()}
     gaps = {f"max_gap/{name}": (fn().float() - reference).abs().max().item() for name, fn in paths.items()
@@ -156,7 +178,8 @@ def profile_table(model, args, context: int, liger: bool = False) -> str:
 
     decoder = StaticDecoder(model, stop_ids=[1], pad_id=0, use_cuda_graphs=False, attention=args.attention[-1])
     with torch.inference_mode(), decode_attention_mode(model), kernels(model, liger):
-        state, _, _ = filled_state(decoder, args.batch, context, args.steps, model.config.vocab_size, args.finished)
+        state, _, _ = filled_state(decoder, args.batch, context, args.steps, model.config.vocab_size, args.finished,
+                                   min(args.shared_prefix, context))
         state.forward_step()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -177,6 +200,8 @@ def main() -> None:
     parser.add_argument("--finished", type=float, default=0.0, help="share of rows that have finished (0-1)")
     parser.add_argument("--attention", nargs="+", choices=ATTENTION_KERNELS, default=list(ATTENTION_KERNELS),
                         help="decode attention kernels to time the step with (the profile uses the last)")
+    parser.add_argument("--shared-prefix", type=int, default=556,
+                        help=f"positions the prompts of each group of {GROUP} rows share (split_kv_shared reads them once)")
     parser.add_argument("--split-kv-tiles", nargs="+", default=[], metavar="SPLITxBLOCK_NxWARPS",
                         help="split-KV tile sizes to time, e.g. 256x64x4 128x64x4 512x128x8")
     args = parser.parse_args()
