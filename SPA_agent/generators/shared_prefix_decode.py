@@ -14,18 +14,18 @@ graph reads the current ones):
 Row b's prefix is `min(shared_lengths[b], kv_lengths[b] - 1)`: a finished row (`kv_lengths` 1) reads its one key
 itself, and a running row always reads its newest keys itself (the shared prefix lies in the prompt).
 
-Three kernels:
-1. `_group_partials`: one program per (group, key/value head, split of SPLIT prefix keys). Its query block holds the
+Three kernels (shared_prefix_kernels.py):
+1. `group_partials`: one program per (group, key/value head, split of SPLIT prefix keys). Its query block holds the
    G query heads of every member (MEMBERS × G rows, padded to a power of two of at least MIN_GROUP_ROWS: 32 rows for
    SmolLM2's 8 × 3), so each prefix key and value is read once, from the leader's row; member m's rows see the keys
    below its own prefix only. It writes each member's partial for that split.
-2. `_row_partials`: split_kv_decode's programs over each row's keys [prefix, kv_length).
-3. `_combine`: one program per (row, key/value head) merges the row's prefix and own partials by their
+2. `row_partials`: split_kv_decode's programs over each row's keys [prefix, kv_length).
+3. `combine`: one program per (row, key/value head) merges the row's prefix and own partials by their
    log-sum-exps.
 
 Exactness: the shared keys are the model's keys of the same ids at the same positions, but a member's own keys may
-have been computed by another prefill forward (another chunk, a suffix prefill of the reused prefix cache, an earlier
-turn) and differ from the leader's in the last bits in bf16 on a GPU; reading the leader's is then a difference of the
+have been computed by another forward (another prefill chunk, a suffix prefill of the reused prefix cache, an earlier
+turn's prefill or decode step) and differ from the leader's in the last bits in bf16 on a GPU; reading the leader's is then a difference of the
 size of the kernels' own rounding (the tests' tolerances are those of split_kv's). Identical prompts are prefilled
 once and their keys copied (StaticDecoder._prefill_once), so in turn 1 the keys are the same bits.
 """
