@@ -45,8 +45,10 @@ dominates decoding time for GQA models at large batch. Here:
   cache length shares one compiled graph; the arithmetic is the same, so are the samples (float32, on CPU: tested);
 - sampling (temperature → top-k → top-p → multinomial, as transformers orders its warpers; argmax at
   temperature 0) runs outside the graph with an explicit `torch.Generator`; finished sequences keep decoding
-  padding and the loop stops when all have finished (checked every `CHECK_EVERY` steps to avoid a device sync
-  per token).
+  padding and the loop stops when all have finished: it reads whether they had `DONE_LAG` steps earlier
+  (`DoneWatch`: each step's flag copied to the host asynchronously), so it never stalls the device and runs at most
+  `DONE_LAG` steps past the turn's end (it checked every `CHECK_EVERY` = 16 steps with a device sync before: up to
+  15 steps of the whole batch past each turn's end).
 
 Supports decoder-only models whose attention layers call `past_key_values.update(key, value, layer_idx)` and
 dispatch through transformers' attention interface (Llama, Qwen2, Mistral, ...); not sliding-window layers.
@@ -88,7 +90,9 @@ PROMPT_BUCKET = 64
 BATCH_BUCKET = 16
 #: with keep_graphs: a call longer than the KV buffer grows its keys per row at least this many times
 CAPACITY_GROWTH = 2
-CHECK_EVERY = 16  # decode steps between checks whether every sequence has finished
+CHECK_EVERY = 16  # pipelined turns: decode steps between checks for rows whose turn ended (turn_pipeline.py)
+#: the decode loop stops when every row had finished this many steps earlier (`DoneWatch`)
+DONE_LAG = 2
 #: prompt tokens (rows × chunk width) a prefill forward by default (generator.prefill_chunk_tokens); at least one row. A
 #: forward costs the host about the same at any size (a narrow model's prefill is bound by its kernel launches), so
 #: larger chunks take fewer forwards; each holds ~8 kB of activations a token for SmolLM2 (~26 kB for 1.5B)
@@ -395,6 +399,35 @@ class DecodeStats:
     states_built: int = 0  # decode states built (on GPU a CUDA graph each); keep_graphs reuses them across calls
 
 
+class DoneWatch:
+    """Whether every row of a decode loop had finished DONE_LAG steps ago, read without stalling the device.
+
+    Each step's `done.all()` goes to the host by an asynchronous copy (pinned memory, an event after it); reading the
+    flag of DONE_LAG steps back waits, if at all, only for that step's work, while the later steps are queued. So the
+    host stays at most DONE_LAG steps ahead of the device and the loop stops DONE_LAG steps after the last row's end
+    of turn. (A check every step with a sync would leave the device idle while the host queues the next step.) The
+    rows past their end decode padding, as finished rows do, so the tokens are the same at any lag."""
+
+    def __init__(self, device: torch.device, lag: int = DONE_LAG):
+        self.lag, self.step = lag, 0
+        self.on_cuda = device.type == "cuda"
+        self.flags = torch.zeros(lag, dtype=torch.bool, pin_memory=self.on_cuda)
+        self.events = [torch.cuda.Event() for _ in range(lag)] if self.on_cuda else []
+
+    def all_done_before(self, done: torch.Tensor) -> bool:
+        """Record this step's `done`; whether every row had finished `lag` steps ago."""
+        slot, self.step = self.step % self.lag, self.step + 1
+        finished = False
+        if self.step > self.lag:
+            if self.on_cuda:
+                self.events[slot].synchronize()
+            finished = bool(self.flags[slot])
+        self.flags[slot].copy_(done.all(), non_blocking=self.on_cuda)
+        if self.on_cuda:
+            self.events[slot].record()
+        return finished
+
+
 class _DecodeState:
     """Buffers of one (B, L) shape (the first B rows of a KVStorage of L keys a row) and, on GPU, the CUDA graph of
     one decode step over them."""
@@ -670,14 +703,13 @@ class StaticDecoder:
         batch = logits.shape[0]  # the state's rows past it are padding (`pad_rows`): never sampled
         tokens = torch.full((batch, params.max_new_tokens), self.pad_id, dtype=torch.long, device=self.device)
         done = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        watch = DoneWatch(self.device)
         for step in range(params.max_new_tokens):
             next_tokens = sample(logits, params, generator).masked_fill(done, self.pad_id)
             tokens[:, step] = next_tokens
             done |= torch.isin(next_tokens, self.stop_ids)
             state.finished[:batch].copy_(done)
-            if step == params.max_new_tokens - 1 or (
-                step % CHECK_EVERY == CHECK_EVERY - 1 and bool(done.all())
-            ):
+            if step == params.max_new_tokens - 1 or watch.all_done_before(done):
                 break
             state.input_ids[:batch].copy_(next_tokens[:, None])
             state.positions[:batch].copy_(prompt_lengths + step)

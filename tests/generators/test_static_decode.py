@@ -11,7 +11,14 @@ import torch
 
 from SPA_agent.generators import SamplingParams
 from SPA_agent.generators.hf import HFGenerator, end_of_turn_ids
-from SPA_agent.generators.static_decode import DECODE_KWARG, decode_attention, filter_logits, left_aligned
+from SPA_agent.generators.static_decode import (
+    DECODE_KWARG,
+    DONE_LAG,
+    DoneWatch,
+    decode_attention,
+    filter_logits,
+    left_aligned,
+)
 
 REPEATS = [1, 12, 3, 40]
 
@@ -61,6 +68,15 @@ def test_all_sequences_stopped_ends_the_loop(varied_model, tiny_tokenizer, promp
     model.generation_config.eos_token_id = [first[0].token_ids[1]]
     stopped = hf(model, tiny_tokenizer, SamplingParams(temperature=0.0, max_new_tokens=40), "static")
     assert ids(stopped.generate(prompts)) == [first[0].token_ids[:2]] * 2
+    # both rows ended at step 1: the loop ran DONE_LAG decode steps past it (not to the 40-token cap)
+    assert stopped._static.stats.decode_steps == 1 + DONE_LAG
+
+
+def test_done_watch_says_all_done_lag_steps_after_the_last_row_ends():
+    watch = DoneWatch(torch.device("cpu"), lag=3)
+    done = [[False, False], [True, False], [True, False], [True, True], [True, True], [True, True], [True, True]]
+    seen = [watch.all_done_before(torch.tensor(row)) for row in done]
+    assert seen == [False, False, False, False, False, False, True]  # all done at step 3, read at step 3 + 3
 
 
 def test_top_k_one_sampling_equals_greedy(varied_model, tiny_tokenizer, prompts_of_lengths):
