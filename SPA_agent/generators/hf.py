@@ -169,6 +169,7 @@ class HFGenerator:
         max_batch_tokens: int | str | None = None,
         compile_decode_step: bool = False,
         liger_kernels: bool | str = False,
+        fused_projections: bool | str = False,
         decode_attention: str = "auto",
         keep_decode_graphs: bool = False,
         reuse_prefix_cache: bool = False,
@@ -200,6 +201,12 @@ class HFGenerator:
         self.liger_kernels = liger_decode.resolve(liger_kernels, model)
         if self.liger_kernels:
             liger_decode.patch_model(model)
+        # one GEMM for q/k/v and one for gate/up, on a GPU, after Liger (its MLP forward is replaced)
+        from SPA_agent.generators import fused_projections as fusion
+
+        self.fused_projections = fusion.resolve(fused_projections, model)
+        if self.fused_projections:
+            fusion.fuse_projections(model)
         # the static decoder's attention kernel (split_kv_decode.py)
         from SPA_agent.generators import split_kv_decode
 
@@ -228,6 +235,7 @@ class HFGenerator:
             progress=bool(cfg.get("progress", True)),
             compile_decode_step=bool(cfg.get("compile_decode_step", False)),
             liger_kernels=cfg.get("liger_kernels", False),
+            fused_projections=cfg.get("fused_projections", False),
             decode_attention=str(cfg.get("decode_attention", "auto")),
             keep_decode_graphs=bool(cfg.get("keep_decode_graphs", False)),
             reuse_prefix_cache=bool(cfg.get("reuse_prefix_cache", False)),

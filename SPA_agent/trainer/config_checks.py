@@ -55,6 +55,7 @@ def check_config(cfg: DictConfig) -> None:
     check_choice(cfg, "agent_proxy.pipeline_turns", (True, False))
     if OmegaConf.select(cfg, "generator.name") == "hf":
         check_choice(cfg, "generator.decode_attention", DECODE_ATTENTION)
+        check_choice(cfg, "generator.fused_projections", (True, False, "auto"))
         check_choice(cfg, "generator.keep_decode_graphs", (True, False))
         check_choice(cfg, "generator.reuse_prefix_cache", (True, False))
         if cfg.generator.reuse_prefix_cache and not (cfg.agent_proxy.pipeline_turns
