@@ -163,6 +163,7 @@ declare -A GPU_TESTS=(
     ["generator.reuse_prefix_cache=true"]=tests/generators/test_reused_prefix_cache.py
     ["actor_rollout_ref.model.liger_training=true"]=tests/trainer/test_liger_training.py
     ["generator.decode_attention=split_kv_shared"]=tests/generators/test_shared_prefix_decode.py
+    ["generator.fused_projections=true"]=tests/generators/test_fused_projections.py
 )
 declare -A GPU_TEST_RESULT  # file -> passed | failed (each file run once)
 # gpu_tested OVERRIDES: whether every GPU test the variant's overrides need passed here (no GPU: none did).
