@@ -58,6 +58,12 @@ class PrefixCachedDecoder(StaticDecoder):
         self._cached: list[list[int]] = []
         self._cached_in = None
 
+    def release(self) -> None:
+        """Free the KV buffers and the CUDA graphs; the rows' conversations go with them (and no reference to the old
+        buffer stays, so it is freed before a regrown one is allocated)."""
+        self._rows_of, self._cached, self._cached_in = {}, [], None
+        super().release()
+
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams,
                  generator: torch.Generator, prompt_ids: list[list[int]] | None = None) -> torch.Tensor:
         self._rows_of = {}  # this call overwrites the rows
@@ -77,7 +83,7 @@ class PrefixCachedDecoder(StaticDecoder):
         held = self._held_rows(conversations)
         self._rows_of = {}  # this call overwrites the rows (if it stops halfway, they hold no conversation)
         state = self._call_state(batch, int(lengths.max()) + params.max_new_tokens)
-        if held is not None and self._storage is self._cached_in:  # not regrown or dropped by `_call_state`
+        if held is not None and self._storage is self._cached_in:  # not regrown or dropped (`release`) since
             self._storage.gather_rows(held)  # row i holds conversation i's keys from here on
             offsets = [reusable_length(self._cached[row], ids) for row, ids in zip(held, prompts)]
             prefill = lambda: self._prefill_suffixes(state, list(range(batch)), prompts, offsets)  # noqa: E731

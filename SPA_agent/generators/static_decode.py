@@ -634,7 +634,8 @@ class StaticDecoder:
             if max_len > storage.max_len:
                 max_len = max(max_len, CAPACITY_GROWTH * storage.max_len)
             rows, max_len = max(rows, storage.rows), max(max_len, storage.max_len)
-        self.release()  # free the old buffer before allocating the new one
+        del storage  # the last reference but the decoder's: `release` frees the old buffer before the new one
+        self.release()
         self._storage = KVStorage(rows, max_len)
 
     def _prefill(self, state: _DecodeState, prompts: torch.Tensor, lengths: torch.Tensor,

@@ -177,6 +177,26 @@ def test_turn_by_turn_calls_with_the_reused_cache_decode_as_whole_prefills(varie
     assert unkept.turns == whole.turns and decoder.stats.reused_tokens == 0
 
 
+def test_no_old_kv_buffer_is_alive_when_a_regrown_one_is_allocated(varied_model, tiny_tokenizer, monkeypatch):
+    """The buffer grows (a new KVStorage, the old one dropped) while the cache's bookkeeping names the old one: it
+    must not keep it alive, or a growing call holds both buffers at once (tens of GB at SPA's batch)."""
+    import gc
+    import weakref
+
+    buffers = []
+
+    class Recorded(static_decode.KVStorage):
+        def __init__(self, *args):
+            gc.collect()
+            assert all(buffer() is None for buffer in buffers), "an old KV buffer is still referenced"
+            super().__init__(*args)
+            buffers.append(weakref.ref(self))
+
+    monkeypatch.setattr(static_decode, "KVStorage", Recorded)
+    envs, decoder = by_call(varied_model, tiny_tokenizer, reuse=True)
+    assert len(buffers) >= 2 and decoder.stats.reused_tokens > 0  # it grew, and reused where it did not
+
+
 def test_a_call_that_does_not_continue_the_last_calls_chats_prefills_whole(varied_model, tiny_tokenizer):
     """generate_turn reuses rows only for a call whose every chat the last call left in the buffer: one new chat
     (a new rollout names new ones), or a `generate` call in between, and the call prefills whole."""
