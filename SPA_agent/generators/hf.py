@@ -213,7 +213,7 @@ class HFGenerator:
         self.decode_attention = split_kv_decode.resolve(str(decode_attention), next(model.parameters()).device)
         # the static decoder keeps its KV buffer and CUDA graphs between calls (static_decode.py, keep_graphs)
         self.keep_decode_graphs = keep_decode_graphs
-        # pipelined turns prefill a row's next prompt past what its cache holds already (turn_pipeline.py)
+        # each turn prefilled past what its chat's row of the KV cache holds already (prefix_cache.py)
         self.reuse_prefix_cache = reuse_prefix_cache
         # prompt tokens a prefill forward of the static decoder (None: static_decode.PREFILL_TOKENS)
         self.prefill_chunk_tokens = prefill_chunk_tokens

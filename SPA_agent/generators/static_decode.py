@@ -311,19 +311,17 @@ class KVStorage:
         return self.keys[layer_idx][:rows], self.values[layer_idx][:rows]
 
     def copy_rows(self, sources: torch.Tensor, targets: torch.Tensor, width: int) -> None:
-        """Rows `targets` take rows `sources`' first `width` keys and values, in every layer (a copy on the device)."""
+        """Rows `targets` take rows `sources`' first `width` keys and values, in every layer (a copy on the device; the
+        sources are read whole before any target is written, so the two may overlap)."""
         for buffers in (self.keys, self.values):
             for buffer in buffers:
                 buffer[targets, :width] = buffer[sources, :width]
 
     def gather_rows(self, rows: list[int]) -> None:
         """Row i takes row rows[i]'s keys and values, in every layer (a copy on the device; any order)."""
-        if rows == list(range(len(rows))):
-            return
-        index = torch.tensor(rows, device=self.keys[0].device) if self.keys else None
-        for buffers in (self.keys, self.values):
-            for buffer in buffers:
-                buffer[: len(rows)] = buffer[index]
+        if self.keys and rows != list(range(len(rows))):
+            device = self.keys[0].device
+            self.copy_rows(torch.tensor(rows, device=device), torch.arange(len(rows), device=device), self.max_len)
 
 
 class StaticKVCache(_cache_base()):
