@@ -109,6 +109,10 @@ SWEEP_STUB = """#!/usr/bin/env bash
 mkdir -p "$OUT/logs"
 [ "$START" = "${FAIL:-}" ] && exit 3
 echo "$GPU_IDS" > "$OUT/logs/gpu_ids"
+if [ -n "${MARK:-}" ]; then  # an SFT that lasts until the GPU tests have run (at most 10 s)
+    for _ in $(seq 100); do [ -e "$MARK" ] && break; sleep 0.1; done
+    [ -e "$MARK" ] && echo "$START" > "$OUT/logs/tests_ran_during_sft"
+fi
 echo "$OUT/sft/global_step_2" > "$OUT/logs/ready"
 while [ ! -e "$WAIT_FOR" ]; do sleep 0.1; done
 cp "$WAIT_FOR" "$OUT/logs/gate_seen"
@@ -210,6 +214,32 @@ def test_a_reused_prefix_cache_variant_is_timed_only_after_its_gpu_test_passed(t
     assert f"the GPU test of generator.reuse_prefix_cache=true {'passed' if timed else 'failed'}" in progress
     assert ("reuse left out: a GPU test its overrides need did not pass" in progress) == (not timed)
     assert (out / "gate_gpu_test_test_reused_prefix_cache.log").exists() == (gpu_test != "no_gpu")
+
+
+def test_the_gpu_tests_run_while_the_sft_is_made_and_the_decoders_for_the_record(tmp_path):
+    """The GPU tests start with the sweeps (on the last GPU), not after the SFT: the stub SFT lasts until they ran."""
+    repo, mark = tmp_path / "repo", tmp_path / "gpu_tests_ran"
+    (repo / "tests" / "generators").mkdir(parents=True)
+    (repo / "tests" / "generators" / "test_fused_projections.py").write_text(
+        f"import os\ndef test_gpu_fused():\n    open({str(mark)!r}, 'w').write(os.environ['CUDA_VISIBLE_DEVICES'])\n")
+    (repo / "tests" / "generators" / "test_static_decode.py").write_text("def test_gpu_decoder():\n    assert False\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text('#!/usr/bin/env bash\nprintf "GPU 0: H200\\nGPU 1: H200\\n"\n')
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    variants = tmp_path / "variants.txt"
+    variants.write_text("base_line\nfused generator.fused_projections=true\n")
+    work, out = run_job(tmp_path, ARMS="spa_s0", GATE_VARIANTS=str(variants), TOTAL_base_line="10", TOTAL_fused="5",
+                        MARK=str(mark), PATH=f"{bin_dir}{os.pathsep}{ENV['PATH']}")
+    assert (work / "table2_wm" / "logs" / "tests_ran_during_sft").read_text() == "wm\n"
+    assert mark.read_text() == "1"  # the last GPU: the wm sweep's SFT is on GPU 0
+    assert (work / "gate.txt").read_text() == "generator.fused_projections=true\n"
+    progress = (out / "progress.txt").read_text()
+    assert "gate: the GPU test of generator.fused_projections=true passed: 1 passed" in progress
+    # the decoder's tests ran too, on the last GPU; their failure is reported and gates nothing
+    assert "the GPU tests of tests/generators/test_static_decode.py (the decoder every arm uses; they gate nothing) " \
+           "failed: 1 failed" in progress
+    assert (out / "gate_gpu_test_test_static_decode.result").read_text() == "failed\n"
 
 
 def test_gate_profile_goes_to_the_baseline_benchmark_alone(tmp_path):

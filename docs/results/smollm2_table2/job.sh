@@ -38,7 +38,8 @@
 # benchmarks' logs and JSON in out/gate_<name>.*). On several GPUs the variants are timed side by side, variant k
 # on GPU k mod GPUs (the baseline on GPU 0), one benchmark at a time a GPU. A variant with an override of GPU_TESTS
 # (below: generator.reuse_prefix_cache=true, ...) runs only after that code's GPU test passed here
-# (out/gate_gpu_test_<file>.log). A failed variant is left out; no wm sweep among the arms, no SFT
+# (out/gate_gpu_test_<file>.log); the tests run in the background on the last GPU from the job's start, while the
+# data and the SFTs are made, with those of the decoder every arm uses for the record. A failed variant is left out; no wm sweep among the arms, no SFT
 # checkpoint or no timing of the baseline: every arm with the baseline. Every arm, the Vanilla RL ones too, then
 # starts after both SFTs and the timing (~1 minute a variant). off: no timing, every arm with the baseline (the
 # config's defaults) as soon as its sweep is ready (Vanilla RL at once).
@@ -124,6 +125,61 @@ if [ -n "${DEADLINE:-}" ] && [ "$N" -gt 0 ]; then  # a relay's SFTs must repeat 
     fi
 fi
 
+# Overrides whose code has a GPU test (`pytest -k gpu <file>`) that must pass on this host before the gate times a
+# variant with them: however fast, a kernel that computes the wrong numbers must not reach the arms.
+declare -A GPU_TESTS=(
+    ["generator.reuse_prefix_cache=true"]=tests/generators/test_reused_prefix_cache.py
+    ["actor_rollout_ref.model.liger_training=true"]=tests/trainer/test_liger_training.py
+    ["generator.decode_attention=split_kv_shared"]=tests/generators/test_shared_prefix_decode.py
+    ["generator.fused_projections=true"]=tests/generators/test_fused_projections.py
+)
+# The decoder every arm uses (its CUDA graphs and the end-of-turn watch): its GPU tests run for the record (the
+# progress line says whether they passed); they gate nothing.
+RECORD_GPU_TESTS="tests/generators/test_static_decode.py"
+# gpu_test FILE: its GPU tests, once, on the last GPU; passed or failed into out/gate_gpu_test_<file>.result.
+gpu_test() {
+    local log="$O/gate_gpu_test_$(basename "$1" .py).log" result=failed
+    if CUDA_VISIBLE_DEVICES=$(( N - 1 )) python -m pytest -q -p no:cacheprovider -k gpu "$1" > "$log" 2>&1 < /dev/null \
+            && grep -q " passed" "$log" && ! grep -q -e " failed" -e " error" "$log"; then
+        result=passed
+    fi
+    echo "$result" > "${log%.log}.result"
+}
+# The GPU tests start at once, in the background, one file after the other on the last GPU, while the data and the
+# SFTs are made (the wm sweep's SFT runs on GPU 0), so that the gate need not wait for them (lease 5: ~45 s).
+GPU_TESTS_PID=""
+if [ "$GATE" = pipeline ] && [ "$N" -gt 0 ] && grep -q " wm " <<< "$CHOSEN"; then
+    (
+        for file in $(for override in $(grep -v '^#' "$GATE_VARIANTS" | cut -s -d' ' -f2-); do
+                          echo "${GPU_TESTS[$override]:-}"; done | sort -u) $RECORD_GPU_TESTS; do
+            gpu_test "$file"
+        done
+        for file in $RECORD_GPU_TESTS; do
+            log="$O/gate_gpu_test_$(basename "$file" .py).log"
+            p "the GPU tests of $file (the decoder every arm uses; they gate nothing) $(cat "${log%.log}.result"): $(tail -n 1 "$log")"
+        done
+    ) &
+    GPU_TESTS_PID=$!
+fi
+declare -A GPU_TEST_RESULT  # file -> passed | failed (each file's line in progress.txt once)
+# gpu_tested OVERRIDES: whether every GPU test the variant's overrides need passed here (no GPU: none did).
+gpu_tested() {
+    local override file log
+    for override in $1; do
+        file="${GPU_TESTS[$override]:-}"
+        [ -n "$file" ] || continue
+        if [ -z "${GPU_TEST_RESULT[$file]:-}" ]; then
+            log="$O/gate_gpu_test_$(basename "$file" .py).log"
+            while [ ! -e "${log%.log}.result" ] && [ -n "$GPU_TESTS_PID" ] && kill -0 "$GPU_TESTS_PID" 2>/dev/null; do
+                sleep 1
+            done
+            GPU_TEST_RESULT[$file]=$(cat "${log%.log}.result" 2>/dev/null || echo failed)
+            p "gate: the GPU test of $override ${GPU_TEST_RESULT[$file]}: $(tail -n 1 "$log" 2>/dev/null || echo no GPU)"
+        fi
+        [ "${GPU_TEST_RESULT[$file]}" = passed ] || return 1
+    done
+}
+
 # One sweep per start: its arms' lines ("<name> <overrides>") and their GPUs, in priority order.
 i=0
 declare -A SETTINGS GPU_IDS
@@ -156,34 +212,6 @@ for start in wm nowm base; do
     ) &
     SWEEP_PID[$start]=$!
 done
-
-# Overrides whose code has a GPU test (`pytest -k gpu <file>`) that must pass on this host before the gate times a
-# variant with them: however fast, a kernel that computes the wrong numbers must not reach the arms.
-declare -A GPU_TESTS=(
-    ["generator.reuse_prefix_cache=true"]=tests/generators/test_reused_prefix_cache.py
-    ["actor_rollout_ref.model.liger_training=true"]=tests/trainer/test_liger_training.py
-    ["generator.decode_attention=split_kv_shared"]=tests/generators/test_shared_prefix_decode.py
-    ["generator.fused_projections=true"]=tests/generators/test_fused_projections.py
-)
-declare -A GPU_TEST_RESULT  # file -> passed | failed (each file run once)
-# gpu_tested OVERRIDES: whether every GPU test the variant's overrides need passed here (no GPU: none did).
-gpu_tested() {
-    local override file log
-    for override in $1; do
-        file="${GPU_TESTS[$override]:-}"
-        [ -n "$file" ] || continue
-        if [ -z "${GPU_TEST_RESULT[$file]:-}" ]; then
-            log="$O/gate_gpu_test_$(basename "$file" .py).log"
-            GPU_TEST_RESULT[$file]=failed
-            if [ "$N" -gt 0 ] && CUDA_VISIBLE_DEVICES=0 python -m pytest -q -p no:cacheprovider -k gpu "$file" \
-                    > "$log" 2>&1 < /dev/null && grep -q " passed" "$log" && ! grep -q -e " failed" -e " error" "$log"; then
-                GPU_TEST_RESULT[$file]=passed
-            fi
-            p "gate: the GPU test of $override ${GPU_TEST_RESULT[$file]}: $(tail -n 1 "$log" 2>/dev/null || echo no GPU)"
-        fi
-        [ "${GPU_TEST_RESULT[$file]}" = passed ] || return 1
-    done
-}
 
 # gate FILE: into FILE every arm's extra overrides, one line (empty: the baseline's, GATE_VARIANTS' first line), from
 # timing the SPA arm's PPO step with each variant; its decision into progress.txt. A variant whose benchmark fails
