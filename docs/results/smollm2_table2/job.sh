@@ -133,9 +133,10 @@ declare -A GPU_TESTS=(
     ["generator.decode_attention=split_kv_shared"]=tests/generators/test_shared_prefix_decode.py
     ["generator.fused_projections=true"]=tests/generators/test_fused_projections.py
 )
-# The decoder every arm uses (its CUDA graphs and the end-of-turn watch): its GPU tests run for the record (the
-# progress line says whether they passed); they gate nothing.
-RECORD_GPU_TESTS="tests/generators/test_static_decode.py"
+# The decoder every arm uses (its CUDA graphs and the end-of-turn watch; SmolLM2's shared-prefix attention and fused
+# projections): its GPU tests run for the record (the progress line says whether they passed); they gate nothing.
+RECORD_GPU_TESTS="tests/generators/test_static_decode.py tests/generators/test_shared_prefix_decode.py
+    tests/generators/test_fused_projections.py"
 # gpu_test FILE: its GPU tests, once, on the last GPU; passed or failed into out/gate_gpu_test_<file>.result.
 gpu_test() {
     local log="$O/gate_gpu_test_$(basename "$1" .py).log" result=failed
@@ -150,8 +151,8 @@ gpu_test() {
 GPU_TESTS_PID=""
 if [ "$GATE" = pipeline ] && [ "$N" -gt 0 ] && grep -q " wm " <<< "$CHOSEN"; then
     (
-        for file in $(for override in $(grep -v '^#' "$GATE_VARIANTS" | cut -s -d' ' -f2-); do
-                          echo "${GPU_TESTS[$override]:-}"; done | sort -u) $RECORD_GPU_TESTS; do
+        for file in $( (for override in $(grep -v '^#' "$GATE_VARIANTS" | cut -s -d' ' -f2-); do
+                            echo "${GPU_TESTS[$override]:-}"; done; tr ' ' '\n' <<< "$RECORD_GPU_TESTS") | sort -u); do
             gpu_test "$file"
         done
         for file in $RECORD_GPU_TESTS; do
