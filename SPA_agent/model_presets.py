@@ -93,9 +93,19 @@ SCRIPT_MODELS = (
                 in_paper=False, sft_defaults="optim.lr=5e-4 trainer.total_epochs=2"),
     # its own self-play writes no state blocks (docs/smollm2.md): the random-action data of the paper's Table 5,
     # 2 SFT epochs at the paper's lr; packed attention without flex attention's compilation (210 s on a fresh
-    # H100, more than the epoch's steps); Liger's kernels where they run (the host-bound step 0.24 -> 0.20 s, H200)
+    # H100, more than the epoch's steps); Liger's kernels where they run (the host-bound step 0.24 -> 0.20 s, H200).
+    # One packed micro-batch a step (issue 42: the step is bound by kernel launches, and a step of 16 rows, ~19k
+    # tokens, 14.6-23.2k in an epoch of the random-action data, ran as two micro-batches of the default 16,384): the
+    # budget 32,768 = max_length 2048 x 16 rows holds any step whole; the same loss and gradients, only summed in
+    # one backward (tests/sft/test_sft_trainer.py). Memory grows with the step's tokens, not the budget: ~1.0 MiB of
+    # saved activations a token (hidden 576, MLP 1536, 30 layers, float32 residual stream under bf16 autocast;
+    # 18.1 GiB peak at a ~16k-token micro-batch on an H200 without Liger, 13.1 GiB with it, weights + AdamW 2 GiB).
+    # Logits (vocabulary 49,152) are computed only at the trained positions (~13% of the tokens: ~0.8 GB in float32
+    # for a full 32k step, not 6.4 GB), and not kept at all by Liger's fused loss. Peak of a full 32,768-token step
+    # ~34 GiB without Liger, ~24 GiB with it; of the data's largest step (23.2k) ~25 / ~18 GiB.
     ScriptModel("smollm2-135m", family="smollm2", sft_family="smollm2", data_generator="random", in_paper=False,
-                sft_defaults="trainer.total_epochs=2 model.attn_implementation=packed_sdpa model.use_liger=auto"),
+                sft_defaults="trainer.total_epochs=2 model.attn_implementation=packed_sdpa model.use_liger=auto "
+                             "data.max_tokens_per_micro_batch=32768"),
 )
 
 #: the fields the scripts read; `sft_model` is the preset file's `model_path`

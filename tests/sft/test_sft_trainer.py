@@ -249,3 +249,62 @@ def test_steps_train_in_training_mode_so_gradient_checkpointing_recomputes(data_
         assert seen and not any(seen)
     finally:
         trainer.cleanup()
+
+
+def _step_and_gradients(cfg, indices: list[int]) -> tuple[list[int], dict[str, float], dict[str, torch.Tensor]]:
+    """One train_step of `indices` from the tiny model's weights: the micro-batch sizes (rows) of its plan, its
+    metrics and the gradients it clipped and stepped with."""
+    trainer = SftTrainer(cfg)
+    try:
+        trainer.setup()
+        grads = {}
+        step = trainer._clip_and_step
+
+        def record_then_step() -> float:
+            grads.update({n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None})
+            return step()
+
+        trainer._clip_and_step = record_then_step
+        sizes = [len(m) for m in trainer._plan(indices, trainer.train_data)[0]]
+        return sizes, trainer.train_step(indices), grads
+    finally:
+        trainer.cleanup()
+
+
+def test_one_micro_batch_step_equals_the_same_step_in_two(data_dir, tmp_path):
+    """The step's loss is the token-summed loss of its micro-batches over the step's trained tokens (train_step's
+    scale), so the split does not change it: the same 4 rows in one packed micro-batch (budget 4 x max_length, as
+    SmolLM2's preset: a whole step) or in two (budget 192) give the same loss, gradient norm and gradients
+    (float32, CPU), only summed in one backward instead of two."""
+    runs = {}
+    for budget in (192, 4 * 96):
+        cfg = compose(overrides(data_dir, tmp_path / str(budget), f"data.max_tokens_per_micro_batch={budget}",
+                                "trainer.total_training_steps=1"))
+        runs[budget] = _step_and_gradients(cfg, list(range(4)))
+    (split_sizes, split, split_grads), (whole_sizes, whole, whole_grads) = runs[192], runs[384]
+    assert len(split_sizes) == 2 and whole_sizes == [4]
+    assert whole["train/loss_tokens"] == split["train/loss_tokens"]
+    assert whole["train/loss"] == pytest.approx(split["train/loss"], rel=1e-6)
+    assert whole["train/grad_norm"] == pytest.approx(split["train/grad_norm"], rel=1e-6)
+    assert whole_grads.keys() == split_grads.keys() and whole_grads
+    for name, grad in split_grads.items():
+        torch.testing.assert_close(whole_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_smollm2_preset_sft_runs_a_whole_step_as_one_micro_batch():
+    """SmolLM2's SFT as its scripts run it (finetune_ft.sh's stage with the preset's sft_defaults, as run_spa.sh and
+    benchmarks/smollm2_sweep.sh pass them) packs at most max_length x train_batch_size = 32,768 tokens a micro-batch:
+    any step of 16 rows is one micro-batch. The other models keep the trainer's 16,384 (tiny its 4,096)."""
+    from SPA_agent.model_presets import script_models
+    from SPA_agent.stages import script_sft_command
+
+    budgets = {}
+    for name, row in script_models().items():
+        stage = script_sft_command("_2_sokoban", "out", "data", name, "disable", overrides=row.sft_defaults.split())
+        assert stage[:2] == ["-m", "sft.spa_sft_trainer"]
+        data = compose(stage[2:]).data
+        budgets[name] = data.max_tokens_per_micro_batch
+        if name == "smollm2-135m":
+            assert budgets[name] == 32768 == data.max_length * data.train_batch_size
+    assert budgets == {name: 32768 if name == "smollm2-135m" else 4096 if name == "tiny" else 16384
+                       for name in script_models()}
