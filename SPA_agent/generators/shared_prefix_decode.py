@@ -22,6 +22,8 @@ Three kernels (shared_prefix_kernels.py):
 2. `row_partials`: split_kv_decode's programs over each row's keys [prefix, kv_length).
 3. `combine`: one program per (row, key/value head) merges the row's prefix and own partials by their
    log-sum-exps.
+With the grid's splits capped (`max_splits`, split_kv_decode.py) a program of 1. or 2. reads every S-th chunk of SPLIT
+keys from its own on and writes one partial of them.
 
 Exactness: the shared keys are the model's keys of the same ids at the same positions, but a member's own keys may
 have been computed by another forward (another prefill chunk, a suffix prefill of the reused prefix cache, an earlier
@@ -36,7 +38,7 @@ import math
 
 import torch
 
-from SPA_agent.generators.split_kv_decode import BLOCK_N, MIN_GROUP_ROWS, NUM_WARPS, SPLIT, check_inputs
+from SPA_agent.generators.split_kv_decode import MIN_GROUP_ROWS, check_inputs, grid_splits, launch_options
 
 #: most rows a group holds (rows that share a prefix with more are cut into several groups)
 MEMBERS = 8
@@ -130,32 +132,37 @@ def _block_rows(rows: int) -> int:
 
 
 def shared_prefix_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_lengths: torch.Tensor,
-                         tables: tuple[torch.Tensor, torch.Tensor], scaling: float | None = None) -> torch.Tensor:
+                         tables: tuple[torch.Tensor, torch.Tensor], scaling: float | None = None, *,
+                         split: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+                         num_stages: int | None = None, max_splits: int | None = None) -> torch.Tensor:
     """Decode attention: query (B, H, 1, D), cache key/value (B, L, H_kv, D), row b reading its first
     kv_lengths[b] ≥ 1 keys, of which the first min(shared_lengths[b], kv_lengths[b] - 1) from its group's leader's
     row; tables = (shared_lengths (B,) int32, groups (N, MEMBERS) int32), module docstring. (B, 1, H, D) in the
-    query's dtype. Query head h reads key/value head h // (H / H_kv)."""
+    query's dtype. Query head h reads key/value head h // (H / H_kv). The launch parameters are split_kv_decode's
+    (None: split_kv_decode.py's constants), for all three kernels (`max_splits`: programs per (group or row, key/value
+    head) for the prefix and for a row's own keys each)."""
     from SPA_agent.generators.shared_prefix_kernels import combine, group_partials, row_partials
 
     shared_lengths, groups = tables
     check_inputs(query, key, value)
+    split, block_n, max_splits, launch = launch_options(split, block_n, num_warps, num_stages, max_splits)
     batch, heads, _, head_dim = query.shape
     length, kv_heads = key.shape[1], key.shape[2]
     group, members = heads // kv_heads, groups.shape[1]
-    num_splits = -(-length // SPLIT)
+    num_splits = grid_splits(length, split, max_splits)
     num_slots = 2 * num_splits  # per row and key/value head: the prefix's splits, then its own keys' splits
     partial_out = torch.empty((batch, kv_heads, num_slots, group, head_dim), dtype=torch.float32, device=query.device)
     partial_lse = torch.empty((batch, kv_heads, num_slots, group), dtype=torch.float32, device=query.device)
     out = torch.empty((batch, 1, heads, head_dim), dtype=query.dtype, device=query.device)
     scale_log2 = (scaling if scaling is not None else 1.0 / math.sqrt(head_dim)) * math.log2(math.e)
     strides = (query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2))
-    shapes = dict(KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim, SPLIT=SPLIT, num_warps=NUM_WARPS)
+    shapes = dict(KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim, SPLIT=split, **launch)
     group_partials[(groups.shape[0], kv_heads, num_splits)](
         query, key, value, kv_lengths, shared_lengths, groups, partial_out, partial_lse, scale_log2, *strides,
-        num_slots, MEMBERS=members, QUERY_ROWS=_block_rows(members * group), BLOCK_N=BLOCK_N, **shapes)
+        num_splits, num_slots, MEMBERS=members, QUERY_ROWS=_block_rows(members * group), BLOCK_N=block_n, **shapes)
     row_partials[(batch, kv_heads, num_splits)](
         query, key, value, kv_lengths, shared_lengths, partial_out, partial_lse, scale_log2, *strides, num_splits,
-        num_slots, GROUP_ROWS=_block_rows(group), BLOCK_N=BLOCK_N, **shapes)
+        num_slots, GROUP_ROWS=_block_rows(group), BLOCK_N=block_n, **shapes)
     combine[(batch, kv_heads)](
         partial_out, partial_lse, kv_lengths, shared_lengths, out, num_splits, num_slots,
         GROUP_ROWS=_block_rows(group), **shapes)

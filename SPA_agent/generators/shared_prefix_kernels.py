@@ -9,18 +9,23 @@ import triton.language as tl
 
 
 @triton.jit
-def _attend(q, K, V, base, stride_kl, start, end, limits, scale_log2, d,
-            ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Query rows q (ROWS, D) against keys [start, end) of the cache row at `base`, query row r reading the keys
-    below limits[r] (> start, so each row reads at least one key); the normalised output (ROWS, D) and the log-sum-exp
-    (base 2) of each row. split_kv_decode's arithmetic: float32 scores and sums, probabilities rounded to the value
-    dtype before their product with the values."""
+def _attend(q, K, V, base, stride_kl, first, length, step, limits, scale_log2, d,
+            ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Query rows q (ROWS, D) against the keys of the cache row at `base` in the chunks of SPLIT keys that start at
+    first, first + step, ... below `length` (one chunk unless the grid's splits were capped, split_kv_decode.py),
+    query row r reading the keys below limits[r] (≤ length, > first, so each row reads at least one key); the
+    normalised output (ROWS, D) and the log-sum-exp (base 2) of each row. split_kv_decode's arithmetic: float32
+    scores and sums, probabilities rounded to the value dtype before their product with the values."""
     best = tl.full([ROWS], float("-inf"), tl.float32)
     total = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-    for n in range(start, end, BLOCK_N):
+    chunks = tl.cdiv(length - first, step)
+    last = first + (chunks - 1) * step
+    blocks = (chunks - 1) * (SPLIT // BLOCK_N) + tl.cdiv(tl.minimum(length - last, SPLIT), BLOCK_N)
+    for block in range(0, blocks):
+        n = first + (block // (SPLIT // BLOCK_N)) * step + (block % (SPLIT // BLOCK_N)) * BLOCK_N
         keys = n + tl.arange(0, BLOCK_N)
-        valid = keys < end
+        valid = keys < length  # a chunk's blocks lie inside it (SPLIT a multiple of BLOCK_N)
         offsets = base + keys[:, None] * stride_kl + d[None, :]
         k = tl.load(K + offsets, mask=valid[:, None], other=0.0)
         v = tl.load(V + offsets, mask=valid[:, None], other=0.0)
@@ -37,7 +42,7 @@ def _attend(q, K, V, base, stride_kl, start, end, limits, scale_log2, d,
 
 @triton.jit
 def group_partials(Q, K, V, kv_lengths, shared_lengths, groups, partial_out, partial_lse, scale_log2,
-                   stride_qb, stride_qh, stride_kb, stride_kl, stride_kh, num_slots,
+                   stride_qb, stride_qh, stride_kb, stride_kl, stride_kh, num_splits, num_slots,
                    KV_HEADS: tl.constexpr, GROUP: tl.constexpr, MEMBERS: tl.constexpr, QUERY_ROWS: tl.constexpr,
                    HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program per (group, key/value head, split of the prefix): the G query heads of every member in one query
@@ -52,14 +57,14 @@ def group_partials(Q, K, V, kv_lengths, shared_lengths, groups, partial_out, par
     start = split * SPLIT
     length = tl.max(limits, 0)
     if start < length:
-        end = tl.minimum(start + SPLIT, length)
-        used = limits > start  # members whose prefix reaches into this split
+        used = limits > start  # members whose prefix reaches into this program's first chunk
         d = tl.arange(0, HEAD_DIM)
         q = tl.load(Q + rows[:, None] * stride_qb + (head * GROUP + g)[:, None] * stride_qh + d[None, :],
                     mask=used[:, None], other=0.0)
         leader = tl.load(groups + group * MEMBERS).to(tl.int64)
-        out, lse = _attend(q, K, V, leader * stride_kb + head * stride_kh, stride_kl, start, end,
-                           tl.where(used, limits, end), scale_log2, d, QUERY_ROWS, HEAD_DIM, BLOCK_N)
+        out, lse = _attend(q, K, V, leader * stride_kb + head * stride_kh, stride_kl, start, length,
+                           num_splits * SPLIT, tl.where(used, limits, length), scale_log2, d,
+                           QUERY_ROWS, HEAD_DIM, SPLIT, BLOCK_N)
         slot = (rows * KV_HEADS + head) * num_slots + split  # (B, H_kv, slots) flattened; prefix slots first
         tl.store(partial_out + (slot * GROUP + g)[:, None] * HEAD_DIM + d[None, :], out, mask=used[:, None])
         tl.store(partial_lse + slot * GROUP + g, lse, mask=used)
@@ -76,13 +81,13 @@ def row_partials(Q, K, V, kv_lengths, shared_lengths, partial_out, partial_lse, 
     length = tl.load(kv_lengths + row)
     start = tl.minimum(tl.load(shared_lengths + row), length - 1) + split * SPLIT
     if start < length:
-        end = tl.minimum(start + SPLIT, length)
         g = tl.arange(0, GROUP_ROWS)
         d = tl.arange(0, HEAD_DIM)
         q = tl.load(Q + row * stride_qb + (head * GROUP + g)[:, None] * stride_qh + d[None, :],
                     mask=(g < GROUP)[:, None], other=0.0)
-        out, lse = _attend(q, K, V, row * stride_kb + head * stride_kh, stride_kl, start, end,
-                           tl.zeros([GROUP_ROWS], tl.int32) + end, scale_log2, d, GROUP_ROWS, HEAD_DIM, BLOCK_N)
+        out, lse = _attend(q, K, V, row * stride_kb + head * stride_kh, stride_kl, start, length, num_splits * SPLIT,
+                           tl.zeros([GROUP_ROWS], tl.int32) + length, scale_log2, d,
+                           GROUP_ROWS, HEAD_DIM, SPLIT, BLOCK_N)
         slot = (row * KV_HEADS + head) * num_slots + num_splits + split
         tl.store(partial_out + (slot * GROUP + g)[:, None] * HEAD_DIM + d[None, :], out, mask=(g < GROUP)[:, None])
         tl.store(partial_lse + slot * GROUP + g, lse, mask=g < GROUP)
@@ -118,10 +123,12 @@ def combine(partial_out, partial_lse, kv_lengths, shared_lengths, out, num_split
     best = tl.full([GROUP_ROWS], float("-inf"), tl.float32)
     total = tl.zeros([GROUP_ROWS], tl.float32)
     acc = tl.zeros([GROUP_ROWS, HEAD_DIM], tl.float32)
-    best, total, acc = _merge(partial_out, partial_lse, first, tl.cdiv(prefix, SPLIT), best, total, acc, g, d,
-                              GROUP, HEAD_DIM)
-    best, total, acc = _merge(partial_out, partial_lse, first + num_splits, tl.cdiv(length - prefix, SPLIT),
+    # the programs that wrote a partial: one a chunk of SPLIT keys, at most num_splits
+    best, total, acc = _merge(partial_out, partial_lse, first, tl.minimum(tl.cdiv(prefix, SPLIT), num_splits),
                               best, total, acc, g, d, GROUP, HEAD_DIM)
+    best, total, acc = _merge(partial_out, partial_lse, first + num_splits,
+                              tl.minimum(tl.cdiv(length - prefix, SPLIT), num_splits), best, total, acc, g, d,
+                              GROUP, HEAD_DIM)
     heads = (row * KV_HEADS + head) * GROUP + g  # out (B, 1, H, D) contiguous: query head head·G + g of the row
     tl.store(out + heads[:, None] * HEAD_DIM + d[None, :], (acc / total[:, None]).to(out.dtype.element_ty),
              mask=(g < GROUP)[:, None])

@@ -52,6 +52,39 @@ def test_keys_past_a_rows_length_are_never_read():
     torch.testing.assert_close(split_kv_decode.split_kv_decode(query, key, value, kv_lengths), before)
 
 
+#: launch parameters other than the decoder's (benchmarks/decode_attention_kernels.py sweeps them): smaller splits and
+#: blocks, other warps and stages; the grid capped at one program a row and head, and at 3 programs that each read
+#: every third 64-key chunk (a row of 300 keys: 5 chunks), with the heads first in the grid
+LAUNCHES = {"split64_block16_warps2_stages2": dict(split=64, block_n=16, num_warps=2, num_stages=2),
+            "one_program_a_row": dict(max_splits=1),
+            "capped_at_3_heads_first": dict(split=64, block_n=32, max_splits=3, heads_first=True)}
+
+
+def nan_past_lengths(key, value, kv_lengths):
+    """NaN in every key and value past its row's length (a read of one turns the output to NaN)."""
+    for row, length in enumerate(kv_lengths.tolist()):
+        key[row, length:], value[row, length:] = float("nan"), float("nan")
+
+
+@pytest.mark.parametrize("launch", list(LAUNCHES))
+def test_launch_parameters_give_the_masked_reference_and_read_nothing_past_a_row(launch):
+    query, key, value, kv_lengths = decode_inputs(4, 9, 3, 64, 300)
+    reference = masked_decode(query, key, value, kv_lengths, scaling=0.3)
+    nan_past_lengths(key, value, kv_lengths)
+    output = split_kv_decode.split_kv_decode(query, key, value, kv_lengths, scaling=0.3, **LAUNCHES[launch])
+    torch.testing.assert_close(output, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_default_launch_parameters_are_the_module_constants(monkeypatch):
+    """None stands for the module's constants, read at the call: the decoder's kernel, and what a benchmark sets."""
+    query, key, value, kv_lengths = decode_inputs(3, 4, 2, 16, 200)
+    explicit = split_kv_decode.split_kv_decode(query, key, value, kv_lengths, split=64, block_n=32, max_splits=2)
+    monkeypatch.setattr(split_kv_decode, "SPLIT", 64)
+    monkeypatch.setattr(split_kv_decode, "BLOCK_N", 32)
+    monkeypatch.setattr(split_kv_decode, "MAX_SPLITS", 2)
+    assert torch.equal(split_kv_decode.split_kv_decode(query, key, value, kv_lengths), explicit)
+
+
 def generations(model, tokenizer, prompts, sampling, attention):
     generator = HFGenerator(model, tokenizer, sampling, batch_size=None, decoder="static", progress=False,
                             decode_attention=attention)
@@ -129,6 +162,35 @@ def test_shared_prefix_is_read_from_the_leader_and_nothing_past_a_rows_length():
     for row, row_length in enumerate(lengths):
         key[row, row_length:], value[row, row_length:] = float("nan"), float("nan")
     torch.testing.assert_close(shared_prefix_decode(query, key, value, kv_lengths, tables), before)
+
+
+#: (case, launch): other splits, blocks, warps and stages, the grid capped at 2 programs per group (or row) and head,
+#: each reading every other chunk of the prefix and of the row's own keys (5 chunks of 128 keys; a finished leader
+#: with chunks of 64)
+SHARED_LAUNCHES = {"smollm2_split128_block32_warps2_stages2_capped": (
+                       "smollm2_group_of_8", dict(split=128, block_n=32, num_warps=2, num_stages=2, max_splits=2)),
+                   "qwen_finished_leader_split64_capped": (
+                       "qwen_g7_finished_leader", dict(split=64, block_n=32, max_splits=2))}
+
+
+@pytest.mark.parametrize(("case", "launch"), list(SHARED_LAUNCHES.values()), ids=list(SHARED_LAUNCHES))
+def test_shared_prefix_launch_parameters_give_the_masked_reference(case, launch):
+    """NaN in the members' own prefix copies and past every key a row reads (its length; a leader's, its members'
+    prefixes too): none is read."""
+    from SPA_agent.generators.shared_prefix_decode import shared_prefix_decode
+
+    heads, kv_heads, head_dim, length, groups, shared, lengths = SHARED_CASES[case]
+    query, key, value, kv_lengths, tables = shared_inputs(*SHARED_CASES[case])
+    reference = masked_decode(query, key, value, kv_lengths, scaling=0.3)
+    read = list(lengths)
+    for group in groups:
+        prefixes = [min(shared[member], lengths[member] - 1) for member in group]
+        read[group[0]] = max(read[group[0]], *prefixes)
+        for member, prefix in zip(group[1:], prefixes[1:]):
+            key[member, :prefix], value[member, :prefix] = float("nan"), float("nan")
+    nan_past_lengths(key, value, torch.tensor(read))
+    output = shared_prefix_decode(query, key, value, kv_lengths, tables, scaling=0.3, **launch)
+    torch.testing.assert_close(output, reference, atol=1e-5, rtol=1e-5)
 
 
 def grouped_prompts(make_prompt) -> list:

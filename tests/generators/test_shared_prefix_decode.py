@@ -213,15 +213,19 @@ def ppo_batch_inputs(dtype):
 
 
 @needs_gpu
-def test_shared_kernel_on_gpu_equals_the_masked_reference():
-    """bfloat16 (the GPU's decode dtype): the tolerance of split_kv's GPU test; the interpreter's cases too."""
+@pytest.mark.parametrize("launch", [{}, dict(max_splits=2), dict(split=128, block_n=32, num_warps=2, num_stages=2)],
+                         ids=["defaults", "capped_at_2", "s128_b32_w2_st2"])
+def test_shared_kernel_on_gpu_equals_the_masked_reference(launch):
+    """bfloat16 (the GPU's decode dtype): the tolerance of split_kv's GPU test; the interpreter's cases too; at the
+    decoder's launch parameters and others (benchmarks/decode_attention_kernels.py's)."""
     from interpreted_split_kv import SHARED_CASES, shared_inputs
 
     cases = [ppo_batch_inputs(torch.bfloat16)] + [shared_inputs(*case) for case in SHARED_CASES.values()]
     for query, key, value, kv_lengths, tables in cases:
         query, key, value = (t.to("cuda", torch.bfloat16) for t in (query, key, value))
         kv_lengths, tables = kv_lengths.cuda(), tuple(t.cuda() for t in tables)
-        output = shared_prefix_decode.shared_prefix_decode(query, key, value, kv_lengths, tables, scaling=0.125)
+        output = shared_prefix_decode.shared_prefix_decode(query, key, value, kv_lengths, tables, scaling=0.125,
+                                                           **launch)
         reference = masked_decode(query.float(), key.float(), value.float(), kv_lengths, scaling=0.125)
         torch.testing.assert_close(output.float(), reference, atol=2e-2, rtol=0)
 

@@ -83,6 +83,38 @@ def test_unsupported_head_sizes_and_layouts_are_one_line_errors():
         StaticDecoder(torch.nn.Linear(1, 1), stop_ids=[0], pad_id=0, attention="paged")
 
 
+def test_launch_parameters_the_kernels_cannot_run_are_one_line_errors():
+    for params, message in [(dict(block_n=48), "block_n must be a power of two of at least 16, got 48"),
+                            (dict(block_n=8), "block_n must be a power of two of at least 16, got 8"),
+                            (dict(split=96, block_n=64), "split must be a positive multiple of block_n=64, got 96"),
+                            (dict(split=32, block_n=64), "split must be a positive multiple of block_n=64, got 32"),
+                            (dict(num_warps=3), "num_warps must be a power of two, got 3"),
+                            (dict(max_splits=0), "max_splits must be at least 1"),
+                            (dict(num_stages=0), "num_stages must be at least 1")]:
+        with pytest.raises(ValueError, match=message):
+            split_kv_decode.launch_options(**params)
+    assert split_kv_decode.launch_options() == (256, 64, None, {"num_warps": 4})  # the decoder's
+    assert split_kv_decode.launch_options(128, 32, 8, 2, 4) == (128, 32, 4, {"num_warps": 8, "num_stages": 2})
+
+
+def test_the_grid_follows_the_buffer_length_unless_capped():
+    """Programs per (row, key/value head): one per SPLIT keys of the buffer (a kept buffer of 4,096 keys launches 16
+    whatever the rows' lengths: CUDA graphs fix the grid), at most max_splits."""
+    assert [split_kv_decode.grid_splits(length, 256, None) for length in (1, 256, 257, 832, 4096)] == [1, 1, 2, 4, 16]
+    assert [split_kv_decode.grid_splits(length, 256, 4) for length in (257, 832, 4096)] == [2, 4, 4]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled Triton kernels need a CUDA GPU")
+@pytest.mark.parametrize("launch", [dict(split=128, block_n=32, num_warps=2, num_stages=2),
+                                    dict(split=512, block_n=128, num_warps=8), dict(max_splits=2, heads_first=True)],
+                         ids=["s128_b32_w2_st2", "s512_b128_w8", "capped_heads_first"])
+def test_kernels_on_gpu_with_other_launch_parameters_equal_the_masked_reference(launch):
+    query, key, value, kv_lengths = decode_inputs(*SHAPES[0], device="cuda", dtype=torch.bfloat16)
+    output = split_kv_decode.split_kv_decode(query, key, value, kv_lengths, scaling=0.125, **launch)
+    reference = masked_decode(query.float(), key.float(), value.float(), kv_lengths, scaling=0.125)
+    torch.testing.assert_close(output.float(), reference, atol=2e-2, rtol=0)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled Triton kernels need a CUDA GPU")
 @pytest.mark.parametrize("shape", SHAPES[:2], ids=["smollm2", "qwen0.5b"])  # their 9/3 and 14/2 heads
 def test_kernels_on_gpu_equal_the_masked_reference(shape):
