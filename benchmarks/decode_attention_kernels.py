@@ -13,7 +13,8 @@ the share of finished rows), each variant:
   in groups of --group sharing their first --prefix keys, read once a group.
 
 Inputs: batch 256 (32 puzzles × 8 samples), 9 query / 3 key-value heads, head size 64, bf16; cache (B, L, H_kv, D)
-with L each --buffers (2048: a fresh call's buffer; 4096: the kept buffer after a validation); a case's running rows
+with L each --buffers (2048: about a last turn's own buffer; 4096: a kept buffer, which grows to at least twice the
+longest call's keys); a case's running rows
 read between 7/8 of --turns keys and all of them (the longest row reads exactly that), a --finished share read one
 key (rows that ended their turn), and the rows of a group hold the same first --prefix keys and values (so every
 kernel computes the same attention). --copies sets of keys and values are cycled so that a call does not find the
@@ -26,8 +27,13 @@ the masked reference (SDPA in float32, masked_decode); the script exits 1 if an 
 markdown table (one row a variant, µs per case) goes to stdout, one JSON line per (case, variant) to --json (a
 "setup" line first, a "summary" line last).
 
-    python benchmarks/decode_attention_kernels.py --json decode_attention.jsonl   # one H200: ~1 min, 30 compiles
-    TRITON_INTERPRET=1 python benchmarks/decode_attention_kernels.py --smoke --json /tmp/smoke.jsonl  # CPU, seconds
+    python benchmarks/decode_attention_kernels.py --json decode_attention.jsonl
+    python benchmarks/decode_attention_kernels.py --smoke --json /tmp/smoke.jsonl  # CPU, ~10 s
+
+On one H200 the default run should take 1-2 minutes (not yet measured): most of it Triton's compiles (~70 kernel
+specialisations, most in the first case), then 16 cases x 42 variants of ~20 ms each. It uses the current CUDA device
+(CUDA_VISIBLE_DEVICES picks an idle one) and ~5 GB of its memory. Fewer values of --splits/--blocks/--warps/--turns
+make it shorter.
 
 --smoke: tiny shapes (8 rows, 2/1 heads, head size 16, float32) on the CPU under Triton's interpreter (set here if
 unset), a few variants, one call timed each: the script's paths run and are checked; its times mean nothing.
@@ -42,6 +48,9 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's SPA_agent without PYTHONPATH
 
 #: --smoke: Triton's interpreter runs a program at a time (~10 ms each), so few programs: one group of 8 rows, one
 #: key/value head of 2 query heads, 3 splits of a 96-key buffer
@@ -88,7 +97,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def variants(args, defaults: dict) -> list[tuple[str, str, dict]]:
+def variants(args) -> list[tuple[str, str, dict]]:
     """(name, kernel, launch parameters) of every variant timed."""
     out = [] if args.no_flash else [("flash", "flash", {})]
     for split in args.splits:
@@ -140,8 +149,9 @@ def main(argv=None) -> int:
     sink = open(args.json, "w") if args.json else None  # noqa: SIM115 (closed at the end)
 
     def emit(row: dict) -> None:
-        if sink:
+        if sink:  # line by line: a run stopped early keeps what it measured
             sink.write(json.dumps(row) + "\n")
+            sink.flush()
 
     emit({"metric": "setup", "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
           "torch": torch.__version__, "triton": triton.__version__, "graphs": graphs, "batch": batch,
@@ -192,7 +202,7 @@ def main(argv=None) -> int:
     rates: dict[str, list[float]] = {}
     cases: list[str] = []
     failed = []
-    runs = variants(args, defaults)
+    runs = variants(args)
     gen = torch.Generator().manual_seed(args.seed)
     for length in args.buffers:
         # keys and values: each group's members hold their leader's first `prefix` keys and values

@@ -151,6 +151,7 @@ def shared_prefix_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     group, members = heads // kv_heads, groups.shape[1]
     num_splits = grid_splits(length, split, max_splits)
     num_slots = 2 * num_splits  # per row and key/value head: the prefix's splits, then its own keys' splits
+    chunked = num_splits * split < length  # the grid capped: a program reads every num_splits-th chunk
     partial_out = torch.empty((batch, kv_heads, num_slots, group, head_dim), dtype=torch.float32, device=query.device)
     partial_lse = torch.empty((batch, kv_heads, num_slots, group), dtype=torch.float32, device=query.device)
     out = torch.empty((batch, 1, heads, head_dim), dtype=query.dtype, device=query.device)
@@ -159,10 +160,11 @@ def shared_prefix_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     shapes = dict(KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim, SPLIT=split, **launch)
     group_partials[(groups.shape[0], kv_heads, num_splits)](
         query, key, value, kv_lengths, shared_lengths, groups, partial_out, partial_lse, scale_log2, *strides,
-        num_splits, num_slots, MEMBERS=members, QUERY_ROWS=_block_rows(members * group), BLOCK_N=block_n, **shapes)
+        num_splits, num_slots, MEMBERS=members, QUERY_ROWS=_block_rows(members * group), BLOCK_N=block_n,
+        CHUNKED=chunked, **shapes)
     row_partials[(batch, kv_heads, num_splits)](
         query, key, value, kv_lengths, shared_lengths, partial_out, partial_lse, scale_log2, *strides, num_splits,
-        num_slots, GROUP_ROWS=_block_rows(group), BLOCK_N=block_n, **shapes)
+        num_slots, GROUP_ROWS=_block_rows(group), BLOCK_N=block_n, CHUNKED=chunked, **shapes)
     combine[(batch, kv_heads)](
         partial_out, partial_lse, kv_lengths, shared_lengths, out, num_splits, num_slots,
         GROUP_ROWS=_block_rows(group), **shapes)

@@ -10,20 +10,27 @@ import triton.language as tl
 
 @triton.jit
 def _attend(q, K, V, base, stride_kl, first, length, step, limits, scale_log2, d,
-            ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+            ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+            CHUNKED: tl.constexpr):
     """Query rows q (ROWS, D) against the keys of the cache row at `base` in the chunks of SPLIT keys that start at
-    first, first + step, ... below `length` (one chunk unless the grid's splits were capped, split_kv_decode.py),
+    first, first + step, ... below `length` (CHUNKED: the grid's splits capped, split_kv_decode.py; else one chunk),
     query row r reading the keys below limits[r] (≤ length, > first, so each row reads at least one key); the
     normalised output (ROWS, D) and the log-sum-exp (base 2) of each row. split_kv_decode's arithmetic: float32
     scores and sums, probabilities rounded to the value dtype before their product with the values."""
     best = tl.full([ROWS], float("-inf"), tl.float32)
     total = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-    chunks = tl.cdiv(length - first, step)
-    last = first + (chunks - 1) * step
-    blocks = (chunks - 1) * (SPLIT // BLOCK_N) + tl.cdiv(tl.minimum(length - last, SPLIT), BLOCK_N)
+    if CHUNKED:
+        chunks = tl.cdiv(length - first, step)
+        last = first + (chunks - 1) * step
+        blocks = (chunks - 1) * (SPLIT // BLOCK_N) + tl.cdiv(tl.minimum(length - last, SPLIT), BLOCK_N)
+    else:
+        blocks = tl.cdiv(tl.minimum(length - first, SPLIT), BLOCK_N)
     for block in range(0, blocks):
-        n = first + (block // (SPLIT // BLOCK_N)) * step + (block % (SPLIT // BLOCK_N)) * BLOCK_N
+        if CHUNKED:
+            n = first + (block // (SPLIT // BLOCK_N)) * step + (block % (SPLIT // BLOCK_N)) * BLOCK_N
+        else:
+            n = first + block * BLOCK_N
         keys = n + tl.arange(0, BLOCK_N)
         valid = keys < length  # a chunk's blocks lie inside it (SPLIT a multiple of BLOCK_N)
         offsets = base + keys[:, None] * stride_kl + d[None, :]
@@ -44,7 +51,7 @@ def _attend(q, K, V, base, stride_kl, first, length, step, limits, scale_log2, d
 def group_partials(Q, K, V, kv_lengths, shared_lengths, groups, partial_out, partial_lse, scale_log2,
                    stride_qb, stride_qh, stride_kb, stride_kl, stride_kh, num_splits, num_slots,
                    KV_HEADS: tl.constexpr, GROUP: tl.constexpr, MEMBERS: tl.constexpr, QUERY_ROWS: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+                   HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKED: tl.constexpr):
     """One program per (group, key/value head, split of the prefix): the G query heads of every member in one query
     block, the prefix keys read once from the leader's row; each member's partial of the split (prefix slots)."""
     group, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -64,7 +71,7 @@ def group_partials(Q, K, V, kv_lengths, shared_lengths, groups, partial_out, par
         leader = tl.load(groups + group * MEMBERS).to(tl.int64)
         out, lse = _attend(q, K, V, leader * stride_kb + head * stride_kh, stride_kl, start, length,
                            num_splits * SPLIT, tl.where(used, limits, length), scale_log2, d,
-                           QUERY_ROWS, HEAD_DIM, SPLIT, BLOCK_N)
+                           QUERY_ROWS, HEAD_DIM, SPLIT, BLOCK_N, CHUNKED)
         slot = (rows * KV_HEADS + head) * num_slots + split  # (B, H_kv, slots) flattened; prefix slots first
         tl.store(partial_out + (slot * GROUP + g)[:, None] * HEAD_DIM + d[None, :], out, mask=used[:, None])
         tl.store(partial_lse + slot * GROUP + g, lse, mask=used)
@@ -74,7 +81,7 @@ def group_partials(Q, K, V, kv_lengths, shared_lengths, groups, partial_out, par
 def row_partials(Q, K, V, kv_lengths, shared_lengths, partial_out, partial_lse, scale_log2,
                  stride_qb, stride_qh, stride_kb, stride_kl, stride_kh, num_splits, num_slots,
                  KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+                 HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKED: tl.constexpr):
     """One program per (row, key/value head, split of the row's own keys [prefix, kv_length)): split_kv_decode's
     partials, in the slots after the prefix's."""
     row, head, split = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)  # int64: large caches
@@ -87,7 +94,7 @@ def row_partials(Q, K, V, kv_lengths, shared_lengths, partial_out, partial_lse, 
                     mask=(g < GROUP)[:, None], other=0.0)
         out, lse = _attend(q, K, V, row * stride_kb + head * stride_kh, stride_kl, start, length, num_splits * SPLIT,
                            tl.zeros([GROUP_ROWS], tl.int32) + length, scale_log2, d,
-                           GROUP_ROWS, HEAD_DIM, SPLIT, BLOCK_N)
+                           GROUP_ROWS, HEAD_DIM, SPLIT, BLOCK_N, CHUNKED)
         slot = (row * KV_HEADS + head) * num_slots + num_splits + split
         tl.store(partial_out + (slot * GROUP + g)[:, None] * HEAD_DIM + d[None, :], out, mask=(g < GROUP)[:, None])
         tl.store(partial_lse + slot * GROUP + g, lse, mask=g < GROUP)

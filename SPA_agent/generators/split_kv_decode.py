@@ -87,7 +87,8 @@ def _kernels():
                   stride_qb, stride_qh, stride_kb, stride_kl, stride_kh,
                   num_splits,
                   KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_FIRST: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_FIRST: tl.constexpr,
+                  CHUNKED: tl.constexpr):
         if HEADS_FIRST:  # consecutive programs read the key/value heads of one row (neighbouring bytes)
             head, row = tl.program_id(0), tl.program_id(1).to(tl.int64)
         else:
@@ -96,12 +97,15 @@ def _kernels():
         length = tl.load(lengths + row)
         first = split * SPLIT
         if first < length:
-            # this program's chunks of SPLIT keys: first, first + step, ... below the row's length (one chunk unless
-            # max_splits capped the grid); walked as one loop of BLOCK_N-key blocks
+            # this program's chunks of SPLIT keys: first, first + step, ... below the row's length (CHUNKED: the grid
+            # capped by max_splits; else one chunk), walked as one loop of BLOCK_N-key blocks
             step = num_splits * SPLIT
-            chunks = tl.cdiv(length - first, step)
-            last = first + (chunks - 1) * step
-            blocks = (chunks - 1) * (SPLIT // BLOCK_N) + tl.cdiv(tl.minimum(length - last, SPLIT), BLOCK_N)
+            if CHUNKED:
+                chunks = tl.cdiv(length - first, step)
+                last = first + (chunks - 1) * step
+                blocks = (chunks - 1) * (SPLIT // BLOCK_N) + tl.cdiv(tl.minimum(length - last, SPLIT), BLOCK_N)
+            else:
+                blocks = tl.cdiv(tl.minimum(length - first, SPLIT), BLOCK_N)
             g = tl.arange(0, GROUP_ROWS)
             d = tl.arange(0, HEAD_DIM)
             q = tl.load(Q + row * stride_qb + (head * GROUP + g)[:, None] * stride_qh + d[None, :],
@@ -111,7 +115,10 @@ def _kernels():
             acc = tl.zeros([GROUP_ROWS, HEAD_DIM], tl.float32)
             base = row * stride_kb + head * stride_kh
             for block in range(0, blocks):
-                n = first + (block // (SPLIT // BLOCK_N)) * step + (block % (SPLIT // BLOCK_N)) * BLOCK_N
+                if CHUNKED:
+                    n = first + (block // (SPLIT // BLOCK_N)) * step + (block % (SPLIT // BLOCK_N)) * BLOCK_N
+                else:
+                    n = first + block * BLOCK_N
                 keys = n + tl.arange(0, BLOCK_N)
                 valid = keys < length  # a chunk's blocks lie inside it (SPLIT a multiple of BLOCK_N)
                 offsets = base + keys[:, None] * stride_kl + d[None, :]
@@ -232,7 +239,7 @@ def split_kv_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         query, key, value, kv_lengths, partial_out, partial_lse, scale * math.log2(math.e),
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2), num_splits,
         KV_HEADS=kv_heads, GROUP=group, GROUP_ROWS=group_rows, HEAD_DIM=head_dim, SPLIT=split, BLOCK_N=block_n,
-        HEADS_FIRST=heads_first, **launch,
+        HEADS_FIRST=heads_first, CHUNKED=num_splits * split < length, **launch,
     )
     combine[(batch, kv_heads)](
         partial_out, partial_lse, kv_lengths, out, num_splits,
