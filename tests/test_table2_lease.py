@@ -133,7 +133,7 @@ open(args[args.index("--json") + 1], "w").write(json.dumps([summary]))
 def run_job(tmp_path: Path, **env: str) -> tuple[Path, Path]:
     """job.sh with GATE=pipeline in a copy of the tree whose sweep and step benchmark are stubs; (work dir, out/)."""
     repo, work = tmp_path / "repo", tmp_path / "work"
-    (repo / "benchmarks").mkdir(parents=True)
+    (repo / "benchmarks").mkdir(parents=True, exist_ok=True)
     shutil.copytree(HERE, repo / "docs" / "results" / "smollm2_table2", ignore=shutil.ignore_patterns("lease*"))
     (repo / "benchmarks" / "smollm2_sweep.sh").write_text(SWEEP_STUB)
     (repo / "benchmarks" / "smollm2_step.py").write_text(STEP_STUB)
@@ -220,8 +220,14 @@ def test_the_gpu_tests_run_while_the_sft_is_made_and_the_decoders_for_the_record
     """The GPU tests start with the sweeps (on the last GPU), not after the SFT: the stub SFT lasts until they ran."""
     repo, mark = tmp_path / "repo", tmp_path / "gpu_tests_ran"
     (repo / "tests" / "generators").mkdir(parents=True)
-    (repo / "tests" / "generators" / "test_fused_projections.py").write_text(
-        f"import os\ndef test_gpu_fused():\n    open({str(mark)!r}, 'w').write(os.environ['CUDA_VISIBLE_DEVICES'])\n")
+    bench = tmp_path / "kernel_bench_ran"
+    (repo / "tests" / "generators" / "test_fused_projections.py").write_text(  # after the kernels' benchmark
+        f"import os\ndef test_gpu_fused():\n    open({str(mark)!r}, 'w').write(os.environ['CUDA_VISIBLE_DEVICES'] + "
+        f"open({str(bench)!r}).read())\n")
+    (repo / "benchmarks").mkdir()
+    (repo / "benchmarks" / "decode_attention_kernels.py").write_text(
+        f"import os, sys\nopen({str(bench)!r}, 'w').write(' bench on ' + os.environ['CUDA_VISIBLE_DEVICES'] + ' '"
+        f" + ' '.join(sys.argv[1:]))\n")
     (repo / "tests" / "generators" / "test_static_decode.py").write_text("def test_gpu_decoder():\n    assert False\n")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -230,9 +236,10 @@ def test_the_gpu_tests_run_while_the_sft_is_made_and_the_decoders_for_the_record
     variants = tmp_path / "variants.txt"
     variants.write_text("base_line\nfused generator.fused_projections=true\n")
     work, out = run_job(tmp_path, ARMS="spa_s0", GATE_VARIANTS=str(variants), TOTAL_base_line="10", TOTAL_fused="5",
-                        MARK=str(mark), PATH=f"{bin_dir}{os.pathsep}{ENV['PATH']}")
+                        MARK=str(mark), KERNEL_BENCH="1", PATH=f"{bin_dir}{os.pathsep}{ENV['PATH']}")
     assert (work / "table2_wm" / "logs" / "tests_ran_during_sft").read_text() == "wm\n"
-    assert mark.read_text() == "1"  # the last GPU: the wm sweep's SFT is on GPU 0
+    # the last GPU (the wm sweep's SFT is on GPU 0), after the kernels' benchmark there
+    assert mark.read_text() == f"1 bench on 1 --json {out / 'decode_attention.jsonl'}"
     assert (work / "gate.txt").read_text() == "generator.fused_projections=true\n"
     progress = (out / "progress.txt").read_text()
     assert "gate: the GPU test of generator.fused_projections=true passed: 1 passed" in progress
@@ -240,6 +247,7 @@ def test_the_gpu_tests_run_while_the_sft_is_made_and_the_decoders_for_the_record
     assert "the GPU tests of tests/generators/test_static_decode.py (the decoder every arm uses; they gate nothing) " \
            "failed: 1 failed" in progress
     assert (out / "gate_gpu_test_test_static_decode.result").read_text() == "failed\n"
+    assert "the decode attention kernels' benchmark rc=0" in progress
 
 
 def test_gate_profile_goes_to_the_baseline_benchmark_alone(tmp_path):

@@ -62,6 +62,9 @@
 # (collect.sh's tarball and printout take every config's); the gate times the SPA arm on CONFIG too. On FrozenLake
 # SmolLM2's rollouts get 320 new tokens a turn, not the preset's 256 (smollm2_sweep.sh says why).
 #
+# KERNEL_BENCH=1 times the decode attention kernels (benchmarks/decode_attention_kernels.py) on the last GPU while the
+# data and the SFTs are made, before the GPU tests, under KERNEL_BENCH_S (150) seconds (kernel_bench below).
+#
 # Settings for a CPU check of the plumbing: MODEL=tiny STEPS=2 TEST_FREQ=1, OVERRIDES (added to every arm's, e.g.
 # shorter answers), SFT_OVERRIDES (the sweep's), REPO (the tree, /tmp/repo), WORK (where results go, /tmp) and
 # GATE_ARGS (more arguments of the gate's step benchmark: --smoke on CPU, which times the tiny model instead);
@@ -146,11 +149,22 @@ gpu_test() {
     fi
     echo "$result" > "${log%.log}.result"
 }
-# The GPU tests start at once, in the background, one file after the other on the last GPU, while the data and the
-# SFTs are made (the wm sweep's SFT runs on GPU 0), so that the gate need not wait for them (lease 5: ~45 s).
+# kernel_bench: with KERNEL_BENCH=1, the decode attention kernels' benchmark (benchmarks/decode_attention_kernels.py:
+# the split-KV kernels' launch parameters at SmolLM2's decode shapes, issue 42) on the last GPU, stopped after
+# KERNEL_BENCH_S (150) seconds, so that it ends before the SFTs do (~3 minutes with the data); out/decode_attention.*.
+kernel_bench() {
+    { [ "${KERNEL_BENCH:-0}" = 1 ] && [ "$N" -gt 0 ]; } || return 0
+    CUDA_VISIBLE_DEVICES=$(( N - 1 )) timeout "${KERNEL_BENCH_S:-150}" python benchmarks/decode_attention_kernels.py \
+        --json "$O/decode_attention.jsonl" > "$O/decode_attention.log" 2>&1 < /dev/null
+    p "the decode attention kernels' benchmark rc=$? (124: stopped at KERNEL_BENCH_S; out/decode_attention.*)"
+}
+# The GPU tests start at once, in the background, one file after the other on the last GPU (after the kernels'
+# benchmark, if asked for), while the data and the SFTs are made (the wm sweep's SFT runs on GPU 0), so that the gate
+# need not wait for them (lease 5: ~45 s).
 GPU_TESTS_PID=""
 if [ "$GATE" = pipeline ] && [ "$N" -gt 0 ] && grep -q " wm " <<< "$CHOSEN"; then
     (
+        kernel_bench
         for file in $( (for override in $(grep -v '^#' "$GATE_VARIANTS" | cut -s -d' ' -f2-); do
                             echo "${GPU_TESTS[$override]:-}"; done; tr ' ' '\n' <<< "$RECORD_GPU_TESTS") | sort -u); do
             gpu_test "$file"
@@ -161,6 +175,8 @@ if [ "$GATE" = pipeline ] && [ "$N" -gt 0 ] && grep -q " wm " <<< "$CHOSEN"; the
         done
     ) &
     GPU_TESTS_PID=$!
+else
+    kernel_bench &
 fi
 declare -A GPU_TEST_RESULT  # file -> passed | failed (each file's line in progress.txt once)
 # gpu_tested OVERRIDES: whether every GPU test the variant's overrides need passed here (no GPU: none did).
