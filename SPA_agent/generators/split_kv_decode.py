@@ -52,8 +52,9 @@ MAX_SPLITS = None
 MIN_GROUP_ROWS = 16
 
 
-#: generator.decode_attention: `auto` is split_kv on a CUDA GPU where triton is installed, flash elsewhere
-SETTINGS = ("auto", *ATTENTION_KERNELS)
+#: generator.decode_attention: `auto` is split_kv on a CUDA GPU where triton is installed, flash elsewhere;
+#: `auto_shared` is split_kv_shared there, flash elsewhere (SmolLM2's preset: its CPU runs keep working)
+SETTINGS = ("auto", "auto_shared", *ATTENTION_KERNELS)
 
 
 def available() -> bool:
@@ -67,8 +68,9 @@ def resolve(setting: str, device: torch.device) -> str:
     outside Triton's interpreter)."""
     if setting not in SETTINGS:
         raise ValueError(f"generator.decode_attention must be one of {SETTINGS}, got {setting!r}")
-    if setting == "auto":
-        return "split_kv" if device.type == "cuda" and available() else "flash"
+    if setting in ("auto", "auto_shared"):
+        return ("split_kv" if setting == "auto" else "split_kv_shared") if device.type == "cuda" and available() \
+            else "flash"
     triton_runs = available() and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
     if setting != "flash" and not triton_runs:
         raise ValueError(f"generator.decode_attention={setting} needs triton and a CUDA GPU; "

@@ -254,13 +254,18 @@ def test_cuda_graph_decoder_with_shared_prefixes_on_gpu_samples_what_split_kv_sa
         assert [g.token_ids for g in runs[1].generate(batch)] == [g.token_ids for g in runs[0].generate(batch)]
 
 
-def test_smollm2_decodes_with_shared_prefixes_and_fused_projections_and_other_models_do_not():
-    """model=smollm2-135m's rollout settings reach the generator (the lease-6 gate's fastest decode on an H200); the
-    generator's own keys still override them; other presets keep the plain defaults."""
+def test_smollm2_decodes_with_shared_prefixes_and_fused_projections_and_other_models_do_not(varied_model,
+                                                                                             tiny_tokenizer):
+    """model=smollm2-135m's rollout settings reach the generator (the lease-6 gate's fastest decode on an H200) and
+    still build a generator on a CPU; the generator's own keys override them; other presets keep the plain defaults."""
     from SPA_agent.config import compose
+    from SPA_agent.generators.hf import HFGenerator
 
     smol = compose("_2_sokoban", ["model=smollm2-135m"]).generator
-    assert (smol.decode_attention, smol.fused_projections) == ("split_kv_shared", "auto")
+    assert (smol.decode_attention, smol.fused_projections) == ("auto_shared", "auto")
+    generator = HFGenerator.from_config({**smol, "decoder": "static", "progress": False}, "tiny", tiny_tokenizer,
+                                        model=varied_model)
+    assert (generator.decode_attention, generator.fused_projections) == ("flash", False)  # on a CPU
     for preset in ("tiny", "small", "qwen2.5-0.5b"):
         cfg = compose("_2_sokoban", [f"model={preset}"]).generator
         assert (cfg.decode_attention, cfg.fused_projections) == ("auto", False)

@@ -136,15 +136,25 @@ def test_cuda_graph_decoder_on_gpu_samples_what_the_masked_attention_samples(var
             == generations(model, tiny_tokenizer, prompts, greedy, "flash"))
 
 
+def test_the_auto_settings_pick_the_triton_kernels_on_a_cuda_device_with_triton(monkeypatch):
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(split_kv_decode, "available", lambda: True)
+    assert split_kv_decode.resolve("auto", cuda) == "split_kv"
+    assert split_kv_decode.resolve("auto_shared", cuda) == "split_kv_shared"
+    monkeypatch.setattr(split_kv_decode, "available", lambda: False)
+    assert split_kv_decode.resolve("auto_shared", cuda) == "flash"
+
+
 def test_setting_resolves_per_device_and_unknown_ones_are_refused_before_any_model():
     from SPA_agent.config import compose
     from SPA_agent.trainer.config_checks import check_config
 
     cpu = torch.device("cpu")
     assert split_kv_decode.resolve("auto", cpu) == "flash" and split_kv_decode.resolve("flash", cpu) == "flash"
+    assert split_kv_decode.resolve("auto_shared", cpu) == "flash"  # SmolLM2's preset still decodes on a CPU
     with pytest.raises(ValueError, match="decode_attention=split_kv needs triton and a CUDA GPU; set generator"):
         split_kv_decode.resolve("split_kv", cpu)
     check_config(compose("_2_sokoban", ["model=tiny"]))  # its default: auto
-    with pytest.raises(ValueError, match=r"generator.decode_attention must be one of \('auto', 'flash', 'split_kv', "
-                                         r"'split_kv_shared'\), got 'paged'"):
+    with pytest.raises(ValueError, match=r"generator.decode_attention must be one of \('auto', 'auto_shared', 'flash', "
+                                         r"'split_kv', 'split_kv_shared'\), got 'paged'"):
         check_config(compose("_2_sokoban", ["model=tiny", "generator.decode_attention=paged"]))
