@@ -145,6 +145,16 @@ def run_job(tmp_path: Path, **env: str) -> tuple[Path, Path]:
     return work, work / "out"
 
 
+def with_gpus(tmp_path: Path, count: int) -> str:
+    """A PATH whose `nvidia-smi --list-gpus` names `count` H200s (job.sh counts the host's GPUs with it)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    listing = "".join(f"GPU {i}: H200\\n" for i in range(count))
+    (bin_dir / "nvidia-smi").write_text(f'#!/usr/bin/env bash\nprintf "{listing}"\n')
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    return f"{bin_dir}{os.pathsep}{ENV['PATH']}"
+
+
 #: the gate's variants in these tests (GATE_VARIANTS): the baseline first
 VARIANTS = {"base_line": "", "fast_a": "agent_proxy.pipeline_turns=true",
             "fast_b": "critic.ppo_max_token_len_per_gpu=32768"}
@@ -199,13 +209,9 @@ def test_a_reused_prefix_cache_variant_is_timed_only_after_its_gpu_test_passed(t
     (repo / "tests" / "generators").mkdir(parents=True)
     (repo / "tests" / "generators" / "test_reused_prefix_cache.py").write_text(
         f"def test_gpu_suffix():\n    assert {gpu_test == 'passes'}\n")
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "nvidia-smi").write_text('#!/usr/bin/env bash\nprintf "GPU 0: H200\\n"\n')
-    (bin_dir / "nvidia-smi").chmod(0o755)
     variants = tmp_path / "variants.txt"
     variants.write_text("base_line\nreuse generator.reuse_prefix_cache=true\n")
-    path = f"{bin_dir}{os.pathsep}{ENV['PATH']}" if gpu_test != "no_gpu" else ENV["PATH"]
+    path = with_gpus(tmp_path, 1) if gpu_test != "no_gpu" else ENV["PATH"]
     work, out = run_job(tmp_path, GATE_VARIANTS=str(variants), TOTAL_base_line="10", TOTAL_reuse="5", PATH=path)
     timed = (tmp_path / "step_args_reuse").exists()
     assert timed == (gpu_test == "passes")
@@ -229,14 +235,10 @@ def test_the_gpu_tests_run_while_the_sft_is_made_and_the_decoders_for_the_record
         f"import os, sys\nopen({str(bench)!r}, 'w').write(' bench on ' + os.environ['CUDA_VISIBLE_DEVICES'] + ' '"
         f" + ' '.join(sys.argv[1:]))\n")
     (repo / "tests" / "generators" / "test_static_decode.py").write_text("def test_gpu_decoder():\n    assert False\n")
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "nvidia-smi").write_text('#!/usr/bin/env bash\nprintf "GPU 0: H200\\nGPU 1: H200\\n"\n')
-    (bin_dir / "nvidia-smi").chmod(0o755)
     variants = tmp_path / "variants.txt"
     variants.write_text("base_line\nfused generator.fused_projections=true\n")
     work, out = run_job(tmp_path, ARMS="spa_s0", GATE_VARIANTS=str(variants), TOTAL_base_line="10", TOTAL_fused="5",
-                        MARK=str(mark), KERNEL_BENCH="1", PATH=f"{bin_dir}{os.pathsep}{ENV['PATH']}")
+                        MARK=str(mark), KERNEL_BENCH="1", PATH=with_gpus(tmp_path, 2))
     assert (work / "table2_wm" / "logs" / "tests_ran_during_sft").read_text() == "wm\n"
     # the last GPU (the wm sweep's SFT is on GPU 0), after the kernels' benchmark there
     assert mark.read_text() == f"1 bench on 1 --json {out / 'decode_attention.jsonl'}"
@@ -262,11 +264,7 @@ def test_gate_profile_goes_to_the_baseline_benchmark_alone(tmp_path):
     ("", {"wm": "0 1 0", "nowm": "1 1", "base": "0"}),  # the first 3 x 2 arms
 ], ids=["seeds_1_2", "default_six"])
 def test_two_gpus_take_the_arms_round_robin_and_the_two_sfts_one_each(tmp_path, arms, gpu_ids):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "nvidia-smi").write_text('#!/usr/bin/env bash\nprintf "GPU 0: H200\\nGPU 1: H200\\n"\n')
-    (bin_dir / "nvidia-smi").chmod(0o755)
-    work, _ = run_gated_job(tmp_path, (10.0, 10.0, 10.0), ARMS=arms, PATH=f"{bin_dir}{os.pathsep}{ENV['PATH']}")
+    work, _ = run_gated_job(tmp_path, (10.0, 10.0, 10.0), ARMS=arms, PATH=with_gpus(tmp_path, 2))
     assert {start: (work / f"table2_{start}" / "logs" / "gpu_ids").read_text().strip()
             for start in ("wm", "nowm", "base") if (work / f"table2_{start}").exists()} == gpu_ids
     # the gate's variants side by side, variant k on GPU k mod 2
