@@ -212,7 +212,8 @@ def test_a_reused_prefix_cache_variant_is_timed_only_after_its_gpu_test_passed(t
     variants = tmp_path / "variants.txt"
     variants.write_text("base_line\nreuse generator.reuse_prefix_cache=true\n")
     path = with_gpus(tmp_path, 1) if gpu_test != "no_gpu" else ENV["PATH"]
-    work, out = run_job(tmp_path, GATE_VARIANTS=str(variants), TOTAL_base_line="10", TOTAL_reuse="5", PATH=path)
+    work, out = run_job(tmp_path, GATE_VARIANTS=str(variants), TOTAL_base_line="10", TOTAL_reuse="5", PATH=path,
+                        KERNEL_BENCH="1")
     timed = (tmp_path / "step_args_reuse").exists()
     assert timed == (gpu_test == "passes")
     assert (work / "gate.txt").read_text() == ("generator.reuse_prefix_cache=true\n" if timed else "\n")
@@ -220,6 +221,9 @@ def test_a_reused_prefix_cache_variant_is_timed_only_after_its_gpu_test_passed(t
     assert f"the GPU test of generator.reuse_prefix_cache=true {'passed' if timed else 'failed'}" in progress
     assert ("reuse left out: a GPU test its overrides need did not pass" in progress) == (not timed)
     assert (out / "gate_gpu_test_test_reused_prefix_cache.log").exists() == (gpu_test != "no_gpu")
+    # the kernels' benchmark is not run beside an SFT (one GPU), nor without a GPU
+    assert ("benchmark skipped: an SFT runs on the last GPU" in progress) == (gpu_test != "no_gpu")
+    assert not (out / "decode_attention.log").exists()
 
 
 def test_the_gpu_tests_run_while_the_sft_is_made_and_the_decoders_for_the_record(tmp_path):

@@ -39,8 +39,8 @@
 # on GPU k mod GPUs (the baseline on GPU 0), one benchmark at a time a GPU. A variant with an override of GPU_TESTS
 # (below: generator.reuse_prefix_cache=true, ...) runs only after that code's GPU test passed here
 # (out/gate_gpu_test_<file>.log); the tests run in the background on the last GPU from the job's start, while the
-# data and the SFTs are made, with those of the decoder every arm uses for the record. A failed variant is left out; no wm sweep among the arms, no SFT
-# checkpoint or no timing of the baseline: every arm with the baseline. Every arm, the Vanilla RL ones too, then
+# data and the SFTs are made, with those of the decoder every arm uses for the record. A failed variant is left out;
+# no wm sweep among the arms, no SFT checkpoint or no timing of the baseline: every arm with the baseline. Every arm, the Vanilla RL ones too, then
 # starts after both SFTs and the timing (~1 minute a variant). off: no timing, every arm with the baseline (the
 # config's defaults) as soon as its sweep is ready (Vanilla RL at once).
 #
@@ -63,7 +63,9 @@
 # SmolLM2's rollouts get 320 new tokens a turn, not the preset's 256 (smollm2_sweep.sh says why).
 #
 # KERNEL_BENCH=1 times the decode attention kernels (benchmarks/decode_attention_kernels.py) on the last GPU while the
-# data and the SFTs are made, before the GPU tests, under KERNEL_BENCH_S (150) seconds (kernel_bench below).
+# data and the SFTs are made, before the GPU tests, under KERNEL_BENCH_S (120) seconds (kernel_bench below); skipped
+# where an SFT runs on that GPU (one GPU; on two, arms from both SFTs), whose work would blur the timings. With
+# GATE=pipeline the gate's GPU tests wait for it, which can hold the gate up to ~1.5 minutes past a short SFT.
 #
 # Settings for a CPU check of the plumbing: MODEL=tiny STEPS=2 TEST_FREQ=1, OVERRIDES (added to every arm's, e.g.
 # shorter answers), SFT_OVERRIDES (the sweep's), REPO (the tree, /tmp/repo), WORK (where results go, /tmp) and
@@ -128,6 +130,22 @@ if [ -n "${DEADLINE:-}" ] && [ "$N" -gt 0 ]; then  # a relay's SFTs must repeat 
     fi
 fi
 
+# One sweep per start: its arms' lines ("<name> <overrides>") and their GPUs, in priority order.
+i=0
+declare -A SETTINGS GPU_IDS
+while read -r name start overrides; do
+    SETTINGS[$start]+="$name $overrides ${OVERRIDES:-}"$'\n'
+    [ "$N" -gt 0 ] && GPU_IDS[$start]+="$(( i % N )) "
+    i=$(( i + 1 ))
+done <<< "$CHOSEN"
+# Each sweep's SFT runs on its first GPU: the nowm sweep's list starts at another GPU than the wm sweep's where it
+# has one (on two GPUs, ARMS="spa_s1 spa_s2 format_s1 format_s2" would put both SFTs on GPU 0), the same arms a GPU.
+if [ -n "${GPU_IDS[wm]:-}" ] && [ -n "${GPU_IDS[nowm]:-}" ]; then
+    read -ra ids <<< "${GPU_IDS[nowm]}"
+    for k in "${!ids[@]}"; do
+        if [ "${ids[$k]}" != "${GPU_IDS[wm]%% *}" ]; then GPU_IDS[nowm]="${ids[*]:$k} ${ids[*]:0:$k}"; break; fi
+    done
+fi
 # Overrides whose code has a GPU test (`pytest -k gpu <file>`) that must pass on this host before the gate times a
 # variant with them: however fast, a kernel that computes the wrong numbers must not reach the arms.
 declare -A GPU_TESTS=(
@@ -151,10 +169,15 @@ gpu_test() {
 }
 # kernel_bench: with KERNEL_BENCH=1, the decode attention kernels' benchmark (benchmarks/decode_attention_kernels.py:
 # the split-KV kernels' launch parameters at SmolLM2's decode shapes, issue 42) on the last GPU, stopped after
-# KERNEL_BENCH_S (150) seconds, so that it ends before the SFTs do (~3 minutes with the data); out/decode_attention.*.
+# KERNEL_BENCH_S (120) seconds, so that it ends before the SFTs do (2-3 minutes with the data); out/decode_attention.*.
 kernel_bench() {
     { [ "${KERNEL_BENCH:-0}" = 1 ] && [ "$N" -gt 0 ]; } || return 0
-    CUDA_VISIBLE_DEVICES=$(( N - 1 )) timeout "${KERNEL_BENCH_S:-150}" python benchmarks/decode_attention_kernels.py \
+    local sft_gpus="${GPU_IDS[wm]:+${GPU_IDS[wm]%% *}} ${GPU_IDS[nowm]:+${GPU_IDS[nowm]%% *}}"  # each SFT's GPU
+    if [[ " $sft_gpus " == *" $(( N - 1 )) "* ]]; then
+        p "the decode attention kernels' benchmark skipped: an SFT runs on the last GPU (its timings would not be clean)"
+        return 0
+    fi
+    CUDA_VISIBLE_DEVICES=$(( N - 1 )) timeout "${KERNEL_BENCH_S:-120}" python benchmarks/decode_attention_kernels.py \
         --json "$O/decode_attention.jsonl" > "$O/decode_attention.log" 2>&1 < /dev/null
     p "the decode attention kernels' benchmark rc=$? (124: stopped at KERNEL_BENCH_S; out/decode_attention.*)"
 }
@@ -197,22 +220,6 @@ gpu_tested() {
     done
 }
 
-# One sweep per start: its arms' lines ("<name> <overrides>") and their GPUs, in priority order.
-i=0
-declare -A SETTINGS GPU_IDS
-while read -r name start overrides; do
-    SETTINGS[$start]+="$name $overrides ${OVERRIDES:-}"$'\n'
-    [ "$N" -gt 0 ] && GPU_IDS[$start]+="$(( i % N )) "
-    i=$(( i + 1 ))
-done <<< "$CHOSEN"
-# Each sweep's SFT runs on its first GPU: the nowm sweep's list starts at another GPU than the wm sweep's where it
-# has one (on two GPUs, ARMS="spa_s1 spa_s2 format_s1 format_s2" would put both SFTs on GPU 0), the same arms a GPU.
-if [ -n "${GPU_IDS[wm]:-}" ] && [ -n "${GPU_IDS[nowm]:-}" ]; then
-    read -ra ids <<< "${GPU_IDS[nowm]}"
-    for k in "${!ids[@]}"; do
-        if [ "${ids[$k]}" != "${GPU_IDS[wm]%% *}" ]; then GPU_IDS[nowm]="${ids[*]:$k} ${ids[*]:0:$k}"; break; fi
-    done
-fi
 # Checkpoints only at the end (nothing returns them), but every validation in a relay: an arm that fails has one to carry.
 SAVE_FREQ=0; [ -n "${DEADLINE:-}" ] && SAVE_FREQ="${TEST_FREQ:-25}"
 GATE_FILE="$WORK/gate.txt"; rm -f "$GATE_FILE" "$WORK"/table2_*/logs/ready  # none of an earlier job's
