@@ -1,7 +1,8 @@
 """The decode attention kernels alone at SmolLM2-135M's decode shapes, with their launch parameters swept (issue 42).
 
-In lease 6's profile of one rollout on an H200 (split_kv), `_partials` took 56 µs a call, about half the bandwidth
-bound of the keys and values it reads. This times, for each case (a turn's longest row × the KV buffer's length ×
+In lease 6's profile of one rollout on an H200 (split_kv), its partial kernel (`_partials` then,
+split_kv_kernels.partials now) took 56 µs a call, 2-5x the time the keys and values it reads take at the H200's
+bandwidth. This times, for each case (a turn's longest row × the KV buffer's length ×
 the share of finished rows), each variant:
 
 - `flash`: flash attention's variable-length forward as the static decoder calls it (`flash_decode`; CUDA only);

@@ -14,7 +14,7 @@ graph reads the current ones):
 Row b's prefix is `min(shared_lengths[b], kv_lengths[b] - 1)`: a finished row (`kv_lengths` 1) reads its one key
 itself, and a running row always reads its newest keys itself (the shared prefix lies in the prompt).
 
-Three kernels (shared_prefix_kernels.py):
+Three kernels (split_kv_kernels.py):
 1. `group_partials`: one program per (group, key/value head, split of SPLIT prefix keys). Its query block holds the
    G query heads of every member (MEMBERS × G rows, padded to a power of two of at least MIN_GROUP_ROWS: 32 rows for
    SmolLM2's 8 × 3), so each prefix key and value is read once, from the leader's row; member m's rows see the keys
@@ -141,7 +141,7 @@ def shared_prefix_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     query's dtype. Query head h reads key/value head h // (H / H_kv). The launch parameters are split_kv_decode's
     (None: split_kv_decode.py's constants), for all three kernels (`max_splits`: programs per (group or row, key/value
     head) for the prefix and for a row's own keys each)."""
-    from SPA_agent.generators.shared_prefix_kernels import combine, group_partials, row_partials
+    from SPA_agent.generators.split_kv_kernels import group_partials, row_partials, shared_combine
 
     shared_lengths, groups = tables
     check_inputs(query, key, value)
@@ -165,7 +165,7 @@ def shared_prefix_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     row_partials[(batch, kv_heads, num_splits)](
         query, key, value, kv_lengths, shared_lengths, partial_out, partial_lse, scale_log2, *strides, num_splits,
         num_slots, GROUP_ROWS=_block_rows(group), BLOCK_N=block_n, CHUNKED=chunked, **shapes)
-    combine[(batch, kv_heads)](
+    shared_combine[(batch, kv_heads)](
         partial_out, partial_lse, kv_lengths, shared_lengths, out, num_splits, num_slots,
         GROUP_ROWS=_block_rows(group), **shapes)
     return out

@@ -6,11 +6,11 @@ those rows (the query heads that share a key/value head), and a row of 1,500 key
 on SmolLM2 its kernel was 60% of a decode step at a fraction of the memory bandwidth (benchmarks/RESULTS.md, "The
 decode step alone"). Here, as in flash-decoding:
 
-1. `_partials`: one program per (row, key/value head, split of SPLIT keys). The G query heads that share the
+1. `partials`: one program per (row, key/value head, split of SPLIT keys). The G query heads that share the
    key/value head are G rows of one small matrix product, so each key and value is read once per row and head. A
    program whose split starts past the row's length does nothing, so a finished row (one key) costs one program.
    It writes the split's normalised output and its log-sum-exp (base 2).
-2. `_combine`: one program per (row, key/value head) merges the row's used splits by their log-sum-exps.
+2. `combine`: one program per (row, key/value head) merges the row's used splits by their log-sum-exps.
 
 The grid's splits come from the cache's allocated length L (ceil(L / SPLIT)), not from the longest row: a CUDA graph
 fixes the grid at capture while the lengths change at every replay. With the decoder's kept KV buffer
@@ -29,7 +29,6 @@ is unchanged. Needs triton (CUDA builds of torch bring it). On CPU the kernels r
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import math
 import os
@@ -78,95 +77,12 @@ def resolve(setting: str, device: torch.device) -> str:
     return setting
 
 
-@functools.cache
 def _kernels():
-    """The two Triton kernels, defined on first use so that importing this module needs no triton."""
-    import triton
-    import triton.language as tl
+    """The two Triton kernels (split_kv_kernels.py), imported on first use so that importing this module needs no
+    triton."""
+    from SPA_agent.generators.split_kv_kernels import combine, partials
 
-    @triton.jit
-    def _partials(Q, K, V, lengths, partial_out, partial_lse, scale_log2,
-                  stride_qb, stride_qh, stride_kb, stride_kl, stride_kh,
-                  num_splits,
-                  KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_FIRST: tl.constexpr,
-                  CHUNKED: tl.constexpr):
-        if HEADS_FIRST:  # consecutive programs read the key/value heads of one row (neighbouring bytes)
-            head, row = tl.program_id(0), tl.program_id(1).to(tl.int64)
-        else:
-            row, head = tl.program_id(0).to(tl.int64), tl.program_id(1)  # int64: large caches
-        split = tl.program_id(2)
-        length = tl.load(lengths + row)
-        first = split * SPLIT
-        if first < length:
-            # this program's chunks of SPLIT keys: first, first + step, ... below the row's length (CHUNKED: the grid
-            # capped by max_splits; else one chunk), walked as one loop of BLOCK_N-key blocks
-            step = num_splits * SPLIT
-            if CHUNKED:
-                chunks = tl.cdiv(length - first, step)
-                last = first + (chunks - 1) * step
-                blocks = (chunks - 1) * (SPLIT // BLOCK_N) + tl.cdiv(tl.minimum(length - last, SPLIT), BLOCK_N)
-            else:
-                blocks = tl.cdiv(tl.minimum(length - first, SPLIT), BLOCK_N)
-            g = tl.arange(0, GROUP_ROWS)
-            d = tl.arange(0, HEAD_DIM)
-            q = tl.load(Q + row * stride_qb + (head * GROUP + g)[:, None] * stride_qh + d[None, :],
-                        mask=(g < GROUP)[:, None], other=0.0)
-            best = tl.full([GROUP_ROWS], float("-inf"), tl.float32)
-            total = tl.zeros([GROUP_ROWS], tl.float32)
-            acc = tl.zeros([GROUP_ROWS, HEAD_DIM], tl.float32)
-            base = row * stride_kb + head * stride_kh
-            for block in range(0, blocks):
-                if CHUNKED:
-                    n = first + (block // (SPLIT // BLOCK_N)) * step + (block % (SPLIT // BLOCK_N)) * BLOCK_N
-                else:
-                    n = first + block * BLOCK_N
-                keys = n + tl.arange(0, BLOCK_N)
-                valid = keys < length  # a chunk's blocks lie inside it (SPLIT a multiple of BLOCK_N)
-                offsets = base + keys[:, None] * stride_kl + d[None, :]
-                k = tl.load(K + offsets, mask=valid[:, None], other=0.0)
-                v = tl.load(V + offsets, mask=valid[:, None], other=0.0)
-                scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
-                scores = tl.where(valid[None, :], scores, float("-inf"))
-                new_best = tl.maximum(best, tl.max(scores, 1))
-                p = tl.exp2(scores - new_best[:, None])
-                rescale = tl.exp2(best - new_best)
-                total = total * rescale + tl.sum(p, 1)
-                acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-                best = new_best
-            slot = (row * KV_HEADS + head) * num_splits + split  # (B, H_kv, S) flattened
-            tl.store(partial_out + (slot * GROUP + g)[:, None] * HEAD_DIM + d[None, :], acc / total[:, None],
-                     mask=(g < GROUP)[:, None])
-            tl.store(partial_lse + slot * GROUP + g, best + tl.log2(total), mask=g < GROUP)
-
-    @triton.jit
-    def _combine(partial_out, partial_lse, lengths, out, num_splits,
-                 KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr):
-        row, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
-        used = tl.minimum(tl.cdiv(tl.load(lengths + row), SPLIT), num_splits)  # the programs that wrote a partial
-        g = tl.arange(0, GROUP_ROWS)
-        d = tl.arange(0, HEAD_DIM)
-        first = (row * KV_HEADS + head) * num_splits
-        best = tl.full([GROUP_ROWS], float("-inf"), tl.float32)
-        for split in range(0, used):
-            lse = tl.load(partial_lse + (first + split) * GROUP + g, mask=g < GROUP, other=0.0)
-            best = tl.maximum(best, lse)
-        total = tl.zeros([GROUP_ROWS], tl.float32)
-        acc = tl.zeros([GROUP_ROWS, HEAD_DIM], tl.float32)
-        for split in range(0, used):
-            lse = tl.load(partial_lse + (first + split) * GROUP + g, mask=g < GROUP, other=0.0)
-            weight = tl.exp2(lse - best)
-            part = tl.load(partial_out + ((first + split) * GROUP + g)[:, None] * HEAD_DIM + d[None, :],
-                           mask=(g < GROUP)[:, None], other=0.0)
-            acc += weight[:, None] * part
-            total += weight
-        # out (B, 1, H, D) contiguous: query head h = head·G + g of row `row`
-        heads = (row * KV_HEADS + head) * GROUP + g
-        tl.store(out + heads[:, None] * HEAD_DIM + d[None, :], (acc / total[:, None]).to(out.dtype.element_ty),
-                 mask=(g < GROUP)[:, None])
-
-    return _partials, _combine
+    return partials, combine
 
 
 def check_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:

@@ -151,6 +151,7 @@ fi
 declare -A GPU_TESTS=(
     ["generator.reuse_prefix_cache=true"]=tests/generators/test_reused_prefix_cache.py
     ["actor_rollout_ref.model.liger_training=true"]=tests/trainer/test_liger_training.py
+    ["generator.decode_attention=split_kv"]=tests/generators/test_split_kv_decode.py
     ["generator.decode_attention=split_kv_shared"]=tests/generators/test_shared_prefix_decode.py
     ["generator.fused_projections=true"]=tests/generators/test_fused_projections.py
 )

@@ -1,6 +1,8 @@
-"""The Triton kernels of shared_prefix_decode.py (its docstring says what they compute). A module of its own, imported
-on first use, so that importing the decoder needs no triton; Triton finds the helpers a kernel calls among a module's
-globals, which functions defined inside a function are not."""
+"""The Triton kernels of the split-KV decode attention: `partials` and `combine` of split_kv_decode.py, and
+`group_partials`, `row_partials` and `shared_combine` of shared_prefix_decode.py (their docstrings say what they
+compute). Every partial kernel walks its keys with `_attend`. A module of its own, imported on first use, so that
+importing the decoder needs no triton; Triton finds the helpers a kernel calls among a module's globals, which
+functions defined inside a function are not."""
 
 from __future__ import annotations
 
@@ -45,6 +47,63 @@ def _attend(q, K, V, base, stride_kl, first, length, step, limits, scale_log2, d
         acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         best = new_best
     return acc / total[:, None], best + tl.log2(total)
+
+
+@triton.jit
+def partials(Q, K, V, lengths, partial_out, partial_lse, scale_log2,
+             stride_qb, stride_qh, stride_kb, stride_kl, stride_kh, num_splits,
+             KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr,
+             HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_FIRST: tl.constexpr,
+             CHUNKED: tl.constexpr):
+    """split_kv_decode: one program per (row, key/value head, split): the G query heads of the key/value head against
+    the program's chunks of the row's keys; the split's partial (B, H_kv, S) slots."""
+    if HEADS_FIRST:  # consecutive programs read the key/value heads of one row (neighbouring bytes)
+        head, row = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    else:
+        row, head = tl.program_id(0).to(tl.int64), tl.program_id(1)  # int64: large caches
+    split = tl.program_id(2)
+    length = tl.load(lengths + row)
+    first = split * SPLIT
+    if first < length:
+        g = tl.arange(0, GROUP_ROWS)
+        d = tl.arange(0, HEAD_DIM)
+        q = tl.load(Q + row * stride_qb + (head * GROUP + g)[:, None] * stride_qh + d[None, :],
+                    mask=(g < GROUP)[:, None], other=0.0)
+        out, lse = _attend(q, K, V, row * stride_kb + head * stride_kh, stride_kl, first, length, num_splits * SPLIT,
+                           tl.zeros([GROUP_ROWS], tl.int32) + length, scale_log2, d,
+                           GROUP_ROWS, HEAD_DIM, SPLIT, BLOCK_N, CHUNKED)
+        slot = (row * KV_HEADS + head) * num_splits + split  # (B, H_kv, S) flattened
+        tl.store(partial_out + (slot * GROUP + g)[:, None] * HEAD_DIM + d[None, :], out, mask=(g < GROUP)[:, None])
+        tl.store(partial_lse + slot * GROUP + g, lse, mask=g < GROUP)
+
+
+@triton.jit
+def combine(partial_out, partial_lse, lengths, out, num_splits,
+            KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr,
+            HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr):
+    """split_kv_decode: one program per (row, key/value head) merges the row's partials by their log-sum-exps (the
+    largest first, then the weighted sum); out (B, 1, H, D)."""
+    row, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    used = tl.minimum(tl.cdiv(tl.load(lengths + row), SPLIT), num_splits)  # the programs that wrote a partial
+    g = tl.arange(0, GROUP_ROWS)
+    d = tl.arange(0, HEAD_DIM)
+    first = (row * KV_HEADS + head) * num_splits
+    best = tl.full([GROUP_ROWS], float("-inf"), tl.float32)
+    for split in range(0, used):
+        lse = tl.load(partial_lse + (first + split) * GROUP + g, mask=g < GROUP, other=0.0)
+        best = tl.maximum(best, lse)
+    total = tl.zeros([GROUP_ROWS], tl.float32)
+    acc = tl.zeros([GROUP_ROWS, HEAD_DIM], tl.float32)
+    for split in range(0, used):
+        lse = tl.load(partial_lse + (first + split) * GROUP + g, mask=g < GROUP, other=0.0)
+        weight = tl.exp2(lse - best)
+        part = tl.load(partial_out + ((first + split) * GROUP + g)[:, None] * HEAD_DIM + d[None, :],
+                       mask=(g < GROUP)[:, None], other=0.0)
+        acc += weight[:, None] * part
+        total += weight
+    heads = (row * KV_HEADS + head) * GROUP + g  # out (B, 1, H, D) contiguous: query head head·G + g of the row
+    tl.store(out + heads[:, None] * HEAD_DIM + d[None, :], (acc / total[:, None]).to(out.dtype.element_ty),
+             mask=(g < GROUP)[:, None])
 
 
 @triton.jit
@@ -117,7 +176,7 @@ def _merge(partial_out, partial_lse, first, count, best, total, acc, g, d,
 
 
 @triton.jit
-def combine(partial_out, partial_lse, kv_lengths, shared_lengths, out, num_splits, num_slots,
+def shared_combine(partial_out, partial_lse, kv_lengths, shared_lengths, out, num_splits, num_slots,
             KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr,
             HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr):
     """One program per (row, key/value head): the row's prefix partials and its own merged; out (B, 1, H, D)."""
