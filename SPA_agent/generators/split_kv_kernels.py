@@ -50,6 +50,24 @@ def _attend(q, K, V, base, stride_kl, first, length, step, limits, scale_log2, d
 
 
 @triton.jit
+def _row_partial(Q, K, V, partial_out, partial_lse, row, head, start, length, slot, scale_log2,
+                 stride_qb, stride_qh, stride_kb, stride_kl, stride_kh, step,
+                 GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr,
+                 BLOCK_N: tl.constexpr, CHUNKED: tl.constexpr):
+    """The G query heads of (row, key/value head) against the row's keys in its chunks from `start` below `length`
+    (`_attend`), stored as partial `slot` (its output and log-sum-exp)."""
+    g = tl.arange(0, GROUP_ROWS)
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + row * stride_qb + (head * GROUP + g)[:, None] * stride_qh + d[None, :],
+                mask=(g < GROUP)[:, None], other=0.0)
+    out, lse = _attend(q, K, V, row * stride_kb + head * stride_kh, stride_kl, start, length, step,
+                       tl.zeros([GROUP_ROWS], tl.int32) + length, scale_log2, d,
+                       GROUP_ROWS, HEAD_DIM, SPLIT, BLOCK_N, CHUNKED)
+    tl.store(partial_out + (slot * GROUP + g)[:, None] * HEAD_DIM + d[None, :], out, mask=(g < GROUP)[:, None])
+    tl.store(partial_lse + slot * GROUP + g, lse, mask=g < GROUP)
+
+
+@triton.jit
 def partials(Q, K, V, lengths, partial_out, partial_lse, scale_log2,
              stride_qb, stride_qh, stride_kb, stride_kl, stride_kh, num_splits,
              KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr,
@@ -65,16 +83,10 @@ def partials(Q, K, V, lengths, partial_out, partial_lse, scale_log2,
     length = tl.load(lengths + row)
     first = split * SPLIT
     if first < length:
-        g = tl.arange(0, GROUP_ROWS)
-        d = tl.arange(0, HEAD_DIM)
-        q = tl.load(Q + row * stride_qb + (head * GROUP + g)[:, None] * stride_qh + d[None, :],
-                    mask=(g < GROUP)[:, None], other=0.0)
-        out, lse = _attend(q, K, V, row * stride_kb + head * stride_kh, stride_kl, first, length, num_splits * SPLIT,
-                           tl.zeros([GROUP_ROWS], tl.int32) + length, scale_log2, d,
-                           GROUP_ROWS, HEAD_DIM, SPLIT, BLOCK_N, CHUNKED)
-        slot = (row * KV_HEADS + head) * num_splits + split  # (B, H_kv, S) flattened
-        tl.store(partial_out + (slot * GROUP + g)[:, None] * HEAD_DIM + d[None, :], out, mask=(g < GROUP)[:, None])
-        tl.store(partial_lse + slot * GROUP + g, lse, mask=g < GROUP)
+        _row_partial(Q, K, V, partial_out, partial_lse, row, head, first, length,
+                     (row * KV_HEADS + head) * num_splits + split,  # (B, H_kv, S) flattened
+                     scale_log2, stride_qb, stride_qh, stride_kb, stride_kl, stride_kh, num_splits * SPLIT,
+                     GROUP, GROUP_ROWS, HEAD_DIM, SPLIT, BLOCK_N, CHUNKED)
 
 
 @triton.jit
@@ -147,16 +159,10 @@ def row_partials(Q, K, V, kv_lengths, shared_lengths, partial_out, partial_lse, 
     length = tl.load(kv_lengths + row)
     start = tl.minimum(tl.load(shared_lengths + row), length - 1) + split * SPLIT
     if start < length:
-        g = tl.arange(0, GROUP_ROWS)
-        d = tl.arange(0, HEAD_DIM)
-        q = tl.load(Q + row * stride_qb + (head * GROUP + g)[:, None] * stride_qh + d[None, :],
-                    mask=(g < GROUP)[:, None], other=0.0)
-        out, lse = _attend(q, K, V, row * stride_kb + head * stride_kh, stride_kl, start, length, num_splits * SPLIT,
-                           tl.zeros([GROUP_ROWS], tl.int32) + length, scale_log2, d,
-                           GROUP_ROWS, HEAD_DIM, SPLIT, BLOCK_N, CHUNKED)
-        slot = (row * KV_HEADS + head) * num_slots + num_splits + split
-        tl.store(partial_out + (slot * GROUP + g)[:, None] * HEAD_DIM + d[None, :], out, mask=(g < GROUP)[:, None])
-        tl.store(partial_lse + slot * GROUP + g, lse, mask=g < GROUP)
+        _row_partial(Q, K, V, partial_out, partial_lse, row, head, start, length,
+                     (row * KV_HEADS + head) * num_slots + num_splits + split,
+                     scale_log2, stride_qb, stride_qh, stride_kb, stride_kl, stride_kh, num_splits * SPLIT,
+                     GROUP, GROUP_ROWS, HEAD_DIM, SPLIT, BLOCK_N, CHUNKED)
 
 
 @triton.jit
