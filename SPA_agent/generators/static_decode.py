@@ -16,10 +16,11 @@ dominates decoding time for GQA models at large batch. Here:
   per row and head (not G times), keys and values are never copied, and padding and the unwritten tail are never
   read. With `attention="split_kv"` (generator.decode_attention, the GPU default where triton is installed) our
   Triton split-KV kernel does the same attention with each row's keys spread over thread blocks
-  (split_kv_decode.py); with `attention="split_kv_shared"` (opt-in) the rows whose prompts start with the same ids
-  (a PPO batch's samples of one puzzle) read that common prefix once per group of rows, and identical prompts are
-  prefilled once, their keys copied (`_prefill_once`; shared_prefix_decode.py). Elsewhere the same prefix is masked in
-  one SDPA call whose query rows are the G = H / H_kv query heads sharing a key/value head;
+  (split_kv_decode.py); with `attention="split_kv_shared"` (SmolLM2's on a GPU: decode_attention=auto_shared) the
+  rows whose prompts start with the same ids (a PPO batch's samples of one puzzle) read that common prefix once per
+  group of rows, and identical prompts are prefilled once, their keys copied (`_prefill_once`;
+  shared_prefix_decode.py). Elsewhere the same prefix is masked in one SDPA call whose query rows are the G = H / H_kv
+  query heads sharing a key/value head;
 - a row that has finished (emitted an end of turn) keeps its place in the batch but attends to its first key only:
   a turn decodes until its longest sample ends (on SmolLM2 about 255 steps while the mean sample is ~100 tokens),
   and decode attention reads each row's whole history, so most of its reads were for rows already finished.
