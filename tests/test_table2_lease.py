@@ -109,11 +109,15 @@ SWEEP_STUB = """#!/usr/bin/env bash
 mkdir -p "$OUT/logs"
 [ "$START" = "${FAIL:-}" ] && exit 3
 echo "$GPU_IDS" > "$OUT/logs/gpu_ids"
+if [ -n "${BENCH_MARK:-}" ]; then  # whether the kernels' benchmark had ended when this sweep started
+    if [ -e "$BENCH_MARK" ]; then echo after; else echo before; fi > "$OUT/logs/started_bench"
+fi
 if [ -n "${MARK:-}" ]; then  # an SFT that lasts until the GPU tests have run (at most 10 s)
     for _ in $(seq 100); do [ -e "$MARK" ] && break; sleep 0.1; done
     [ -e "$MARK" ] && echo "$START" > "$OUT/logs/tests_ran_during_sft"
 fi
 echo "$OUT/sft/global_step_2" > "$OUT/logs/ready"
+[ -n "$WAIT_FOR" ] || exit 0  # GATE=off
 while [ ! -e "$WAIT_FOR" ]; do sleep 0.1; done
 cp "$WAIT_FOR" "$OUT/logs/gate_seen"
 """
@@ -221,9 +225,8 @@ def test_a_reused_prefix_cache_variant_is_timed_only_after_its_gpu_test_passed(t
     assert f"the GPU test of generator.reuse_prefix_cache=true {'passed' if timed else 'failed'}" in progress
     assert ("reuse left out: a GPU test its overrides need did not pass" in progress) == (not timed)
     assert (out / "gate_gpu_test_test_reused_prefix_cache.log").exists() == (gpu_test != "no_gpu")
-    # the kernels' benchmark is not run beside an SFT (one GPU), nor without a GPU
-    assert ("benchmark skipped: an SFT runs on the last GPU" in progress) == (gpu_test != "no_gpu")
-    assert not (out / "decode_attention.log").exists()
+    # the kernels' benchmark runs on the one GPU (absent from this tree: rc 2), not without a GPU
+    assert ("the decode attention kernels' benchmark rc=2" in progress) == (gpu_test != "no_gpu")
 
 
 def test_the_gpu_tests_run_while_the_sft_is_made_and_the_decoders_for_the_record(tmp_path):
@@ -266,13 +269,51 @@ def test_gate_profile_goes_to_the_baseline_benchmark_alone(tmp_path):
 @pytest.mark.parametrize("arms, gpu_ids", [
     ("spa_s1 spa_s2 format_s1 format_s2", {"wm": "0 1", "nowm": "1 0"}),  # the two SFTs on GPUs 0 and 1
     ("", {"wm": "0 1 0", "nowm": "1 1", "base": "0"}),  # the first 3 x 2 arms
-], ids=["seeds_1_2", "default_six"])
+    ("spa_s0 format_s0@1 format_s1@1", {"wm": "0", "nowm": "1 1"}),  # SPA alone, the format-only seeds beside it
+    ("spa_s0@1 spa_s1@1 format_s0@0", {"wm": "1 1", "nowm": "0"}),
+], ids=["seeds_1_2", "default_six", "placed", "placed_swapped"])
 def test_two_gpus_take_the_arms_round_robin_and_the_two_sfts_one_each(tmp_path, arms, gpu_ids):
     work, _ = run_gated_job(tmp_path, (10.0, 10.0, 10.0), ARMS=arms, PATH=with_gpus(tmp_path, 2))
     assert {start: (work / f"table2_{start}" / "logs" / "gpu_ids").read_text().strip()
             for start in ("wm", "nowm", "base") if (work / f"table2_{start}").exists()} == gpu_ids
     # the gate's variants side by side, variant k on GPU k mod 2
     assert [(tmp_path / f"step_args_{name}.gpu").read_text() for name in VARIANTS] == ["0", "1", "0"]
+
+
+@pytest.mark.parametrize("arms, message", [
+    ("spa_s0 format_s0@2", "error: ARMS: 'format_s0@2' names GPU 2, but this host has 2 (0-1)"),
+    ("spa_s0@ format_s0", "error: ARMS: 'spa_s0@' takes a GPU's number after the @"),
+    ("spa_s0@one", "error: ARMS: 'spa_s0@one' takes a GPU's number after the @"),
+    ("spa_s9@0", "error: ARMS names 'spa_s9', not an arm of"),
+])
+def test_a_bad_placement_is_one_line_and_exit_status_2(tmp_path, arms, message):
+    job = subprocess.run(["bash", str(HERE / "job.sh")], capture_output=True, text=True, timeout=30,
+                         env={**ENV, "MODEL": "tiny", "REPO": str(REPO), "WORK": str(tmp_path), "ARMS": arms,
+                              "PATH": with_gpus(tmp_path, 2)})
+    assert job.returncode == 2
+    assert job.stderr.startswith(message) and job.stderr.count("\n") == 1
+
+
+def test_without_the_gate_the_decoders_gpu_tests_still_run_and_the_benchmarks_gpu_waits_for_it(tmp_path):
+    """GATE=off: the decoder's GPU tests run for the record after the kernels' benchmark on the last GPU; the sweep
+    whose SFT is on that GPU starts once the benchmark has ended, the one on GPU 0 at once."""
+    repo, bench_mark = tmp_path / "repo", tmp_path / "bench_ended"
+    (repo / "tests" / "generators").mkdir(parents=True)
+    for name in ("test_static_decode", "test_shared_prefix_decode", "test_fused_projections"):
+        (repo / "tests" / "generators" / f"{name}.py").write_text("def test_gpu():\n    assert True\n")
+    (repo / "benchmarks").mkdir()
+    (repo / "benchmarks" / "decode_attention_kernels.py").write_text(
+        f"import time\ntime.sleep(2)\nopen({str(bench_mark)!r}, 'w').write('ended')\n")
+    work, out = run_job(tmp_path, GATE="off", ARMS="spa_s0 format_s0@1", KERNEL_BENCH="1",
+                        BENCH_MARK=str(bench_mark), PATH=with_gpus(tmp_path, 2))
+    assert (work / "table2_wm" / "logs" / "started_bench").read_text() == "before\n"
+    assert (work / "table2_nowm" / "logs" / "started_bench").read_text() == "after\n"
+    assert not (work / "gate.txt").exists() and not list(tmp_path.glob("step_args_*"))  # no gate
+    progress = (out / "progress.txt").read_text()
+    assert "the decode attention kernels' benchmark rc=0" in progress
+    for name in ("test_static_decode", "test_shared_prefix_decode", "test_fused_projections"):
+        assert f"the GPU tests of tests/generators/{name}.py (the decoder every arm uses; they gate nothing) " \
+               "passed: 1 passed" in progress
 
 
 def test_the_gate_is_empty_without_timing_when_the_wm_sweep_fails(tmp_path):

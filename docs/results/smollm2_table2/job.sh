@@ -15,7 +15,8 @@
 # The arms are the lines of arms.txt ("<name> <start> <PPO overrides>"), in priority order: SPA, format-only and
 # Vanilla RL with seed 0, then seeds 1 and 2 of SPA, then of format-only, then of Vanilla RL. The first
 # ARMS_PER_GPU (3) x GPUs of them run (ARMS="name ..." picks others, e.g. the rest in a later lease); arm i goes to
-# GPU i mod GPUs. Three sweeps of benchmarks/smollm2_sweep.sh run side by side, one per start:
+# GPU i mod GPUs, or to the GPU a name in ARMS gives it after an @ (ARMS="spa_s0 format_s0@1 format_s1@1": SPA alone
+# on GPU 0, the two format-only seeds side by side on GPU 1). Three sweeps of benchmarks/smollm2_sweep.sh run side by side, one per start:
 #   wm    random-action data, world-model SFT (2 epochs) on the first GPU of its arms, then its arms (SPA);
 #   nowm  the same data without state blocks, SFT on the first GPU of its arms, then its arms (format-only);
 #   base  no data, no SFT: its arms start at once from the untouched model (Vanilla RL).
@@ -62,10 +63,13 @@
 # (collect.sh's tarball and printout take every config's); the gate times the SPA arm on CONFIG too. On FrozenLake
 # SmolLM2's rollouts get 320 new tokens a turn, not the preset's 256 (smollm2_sweep.sh says why).
 #
-# KERNEL_BENCH=1 times the decode attention kernels (benchmarks/decode_attention_kernels.py) on the last GPU while the
-# data and the SFTs are made, before the GPU tests, under KERNEL_BENCH_S (120) seconds (kernel_bench below); skipped
-# where an SFT runs on that GPU (one GPU; on two, arms from both SFTs), whose work would blur the timings. With
-# GATE=pipeline the gate's GPU tests wait for it, which can hold the gate up to ~1.5 minutes past a short SFT.
+# GPU tests: the decoder every arm uses has its GPU tests run for the record (RECORD_GPU_TESTS below), with either
+# GATE, in the background on the last GPU from the job's start (before the conversion), while the data and SFTs
+# are made; with GATE=pipeline the gate's variants' tests too.
+# KERNEL_BENCH=1 first times the decode attention kernels (benchmarks/decode_attention_kernels.py) there, under
+# KERNEL_BENCH_S (120) seconds (kernel_bench below); a sweep whose first GPU (its SFT's, or a Vanilla RL arm's) is
+# the last GPU starts after it, so that no other work blurs the timings (that sweep's arms start up to ~1.5 minutes
+# later). With GATE=pipeline the gate's GPU tests wait for it too.
 #
 # Settings for a CPU check of the plumbing: MODEL=tiny STEPS=2 TEST_FREQ=1, OVERRIDES (added to every arm's, e.g.
 # shorter answers), SFT_OVERRIDES (the sweep's), REPO (the tree, /tmp/repo), WORK (where results go, /tmp) and
@@ -106,11 +110,22 @@ if [ -n "${DEADLINE:-}" ]; then
     export RESUME=1 SFT_OVERRIDES="${SFT_OVERRIDES:-} trainer.deterministic=true"
 fi
 ALL="$(grep -v '^#' "$ARMS_FILE")"
+declare -A PLACED  # arm -> the GPU ARMS gives it (name@gpu)
 if [ -n "${ARMS:-}" ]; then
-    for name in $ARMS; do
+    names=""
+    for entry in $ARMS; do
+        name="${entry%%@*}"
         grep -q "^$name " <<< "$ALL" || { echo "error: ARMS names '$name', not an arm of $ARMS_FILE" >&2; exit 2; }
+        if [ "$entry" != "$name" ]; then
+            gpu="${entry#*@}"
+            case "$gpu" in ""|*[!0-9]*) echo "error: ARMS: '$entry' takes a GPU's number after the @" >&2; exit 2 ;; esac
+            [ "$N" -eq 0 ] || [ "$gpu" -lt "$N" ] \
+                || { echo "error: ARMS: '$entry' names GPU $gpu, but this host has $N (0-$(( N - 1 )))" >&2; exit 2; }
+            PLACED[$name]="$gpu"
+        fi
+        names+="$name "
     done
-    CHOSEN="$(grep -E "^($(echo $ARMS | tr ' ' '|')) " <<< "$ALL")"  # in the file's order
+    CHOSEN="$(grep -E "^($(echo $names | tr ' ' '|')) " <<< "$ALL")"  # in the file's order
 elif [ "$N" -gt 0 ]; then
     CHOSEN="$(head -n $(( N * ${ARMS_PER_GPU:-3} )) <<< "$ALL")"
 else
@@ -119,23 +134,12 @@ fi
 COUNT=$(grep -c . <<< "$CHOSEN")
 threads=$(( $(nproc) / (COUNT + 2) )); export OMP_NUM_THREADS=$(( threads > 0 ? threads : 1 ))  # arms + 2 SFTs
 p "config=$CONFIG gpus=$N arms=$(cut -d' ' -f1 <<< "$CHOSEN" | tr '\n' ' ')OMP_NUM_THREADS=$OMP_NUM_THREADS"
-if [ "$MODEL" = smollm2-135m ]; then python -m SPA_agent.smollm2 > "$O/convert.log" 2>&1; p "convert rc=$?"; fi
-if [ -n "${DEADLINE:-}" ] && [ "$N" -gt 0 ]; then  # a relay's SFTs must repeat bit for bit: first see that they do here
-    python -m pytest -q -s -p no:cacheprovider tests/sft/test_sft_determinism.py -k gpu > "$O/determinism.log" 2>&1
-    if grep -q "1 passed" "$O/determinism.log"; then
-        p "relay: the deterministic SFT repeats on this GPU: $(grep -h -e '^without' -e '^step seconds' "$O/determinism.log" | tr '\n' ' ')"
-    else
-        SFT_OVERRIDES="${SFT_OVERRIDES% trainer.deterministic=true}"
-        p "relay: the deterministic SFT did NOT repeat or failed on this GPU (out/determinism.log): SFTs without the switch, so no run of this lease can be continued"
-    fi
-fi
-
 # One sweep per start: its arms' lines ("<name> <overrides>") and their GPUs, in priority order.
 i=0
 declare -A SETTINGS GPU_IDS
 while read -r name start overrides; do
     SETTINGS[$start]+="$name $overrides ${OVERRIDES:-}"$'\n'
-    [ "$N" -gt 0 ] && GPU_IDS[$start]+="$(( i % N )) "
+    [ "$N" -gt 0 ] && GPU_IDS[$start]+="${PLACED[$name]:-$(( i % N ))} "
     i=$(( i + 1 ))
 done <<< "$CHOSEN"
 # Each sweep's SFT runs on its first GPU: the nowm sweep's list starts at another GPU than the wm sweep's where it
@@ -170,27 +174,28 @@ gpu_test() {
 }
 # kernel_bench: with KERNEL_BENCH=1, the decode attention kernels' benchmark (benchmarks/decode_attention_kernels.py:
 # the split-KV kernels' launch parameters at SmolLM2's decode shapes, issue 42) on the last GPU, stopped after
-# KERNEL_BENCH_S (120) seconds, so that it ends before the SFTs do (2-3 minutes with the data); out/decode_attention.*.
+# KERNEL_BENCH_S (120) seconds; out/decode_attention.*.
 kernel_bench() {
     { [ "${KERNEL_BENCH:-0}" = 1 ] && [ "$N" -gt 0 ]; } || return 0
-    local sft_gpus="${GPU_IDS[wm]:+${GPU_IDS[wm]%% *}} ${GPU_IDS[nowm]:+${GPU_IDS[nowm]%% *}}"  # each SFT's GPU
-    if [[ " $sft_gpus " == *" $(( N - 1 )) "* ]]; then
-        p "the decode attention kernels' benchmark skipped: an SFT runs on the last GPU (its timings would not be clean)"
-        return 0
-    fi
     CUDA_VISIBLE_DEVICES=$(( N - 1 )) timeout "${KERNEL_BENCH_S:-120}" python benchmarks/decode_attention_kernels.py \
         --json "$O/decode_attention.jsonl" > "$O/decode_attention.log" 2>&1 < /dev/null
     p "the decode attention kernels' benchmark rc=$? (124: stopped at KERNEL_BENCH_S; out/decode_attention.*)"
 }
-# The GPU tests start at once, in the background, one file after the other on the last GPU (after the kernels'
-# benchmark, if asked for), while the data and the SFTs are made (the wm sweep's SFT runs on GPU 0), so that the gate
-# need not wait for them (lease 5: ~45 s).
-GPU_TESTS_PID=""
-if [ "$GATE" = pipeline ] && [ "$N" -gt 0 ] && grep -q " wm " <<< "$CHOSEN"; then
+# The background GPU work starts at once, before the conversion, on the last GPU: the kernels' benchmark (if asked
+# for; BENCH_DONE once it has ended), then the GPU tests one file after the other (the gate's variants' with
+# GATE=pipeline and a wm sweep, the decoder's for the record), while the data and the SFTs are made (the wm sweep's
+# SFT runs on GPU 0), so that the gate need not wait for them (lease 5: ~45 s).
+GPU_TESTS_PID=""; BENCH_DONE="$O/kernel_bench.done"; rm -f "$BENCH_DONE"
+if [ "$N" -gt 0 ]; then
     (
         kernel_bench
-        for file in $( (for override in $(grep -v '^#' "$GATE_VARIANTS" | cut -s -d' ' -f2-); do
-                            echo "${GPU_TESTS[$override]:-}"; done; tr ' ' '\n' <<< "$RECORD_GPU_TESTS") | sort -u); do
+        touch "$BENCH_DONE"
+        variant_tests=""
+        if [ "$GATE" = pipeline ] && grep -q " wm " <<< "$CHOSEN"; then
+            variant_tests=$(for override in $(grep -v '^#' "$GATE_VARIANTS" | cut -s -d' ' -f2-); do
+                                echo "${GPU_TESTS[$override]:-}"; done)
+        fi
+        for file in $( (echo "$variant_tests"; tr ' ' '\n' <<< "$RECORD_GPU_TESTS") | sort -u); do
             gpu_test "$file"
         done
         for file in $RECORD_GPU_TESTS; do
@@ -199,8 +204,6 @@ if [ "$GATE" = pipeline ] && [ "$N" -gt 0 ] && grep -q " wm " <<< "$CHOSEN"; the
         done
     ) &
     GPU_TESTS_PID=$!
-else
-    kernel_bench &
 fi
 declare -A GPU_TEST_RESULT  # file -> passed | failed (each file's line in progress.txt once)
 # gpu_tested OVERRIDES: whether every GPU test the variant's overrides need passed here (no GPU: none did).
@@ -221,6 +224,17 @@ gpu_tested() {
     done
 }
 
+if [ "$MODEL" = smollm2-135m ]; then python -m SPA_agent.smollm2 > "$O/convert.log" 2>&1; p "convert rc=$?"; fi
+if [ -n "${DEADLINE:-}" ] && [ "$N" -gt 0 ]; then  # a relay's SFTs must repeat bit for bit: first see that they do here
+    python -m pytest -q -s -p no:cacheprovider tests/sft/test_sft_determinism.py -k gpu > "$O/determinism.log" 2>&1
+    if grep -q "1 passed" "$O/determinism.log"; then
+        p "relay: the deterministic SFT repeats on this GPU: $(grep -h -e '^without' -e '^step seconds' "$O/determinism.log" | tr '\n' ' ')"
+    else
+        SFT_OVERRIDES="${SFT_OVERRIDES% trainer.deterministic=true}"
+        p "relay: the deterministic SFT did NOT repeat or failed on this GPU (out/determinism.log): SFTs without the switch, so no run of this lease can be continued"
+    fi
+fi
+
 # Checkpoints only at the end (nothing returns them), but every validation in a relay: an arm that fails has one to carry.
 SAVE_FREQ=0; [ -n "${DEADLINE:-}" ] && SAVE_FREQ="${TEST_FREQ:-25}"
 GATE_FILE="$WORK/gate.txt"; rm -f "$GATE_FILE" "$WORK"/table2_*/logs/ready  # none of an earlier job's
@@ -230,6 +244,9 @@ for start in wm nowm base; do
     [ -n "${SETTINGS[$start]:-}" ] || continue
     p "sweep $start on GPUs ${GPU_IDS[$start]:-none}: $(cut -d' ' -f1 <<< "${SETTINGS[$start]%$'\n'}" | tr '\n' ' ')"
     (
+        if [ "${KERNEL_BENCH:-0}" = 1 ] && [ "${GPU_IDS[$start]%% *}" = "$(( N - 1 ))" ]; then  # after the benchmark
+            while [ ! -e "$BENCH_DONE" ] && kill -0 "$GPU_TESTS_PID" 2>/dev/null; do sleep 1; done
+        fi
         START=$start GENERATOR=random MODE=base STEPS="${STEPS:-300}" TEST_FREQ="${TEST_FREQ:-25}" VAL_SAMPLES=4 \
             SAVE_FREQ="$SAVE_FREQ" GPU_IDS="${GPU_IDS[$start]:-}" OUT="$WORK/table2_$start" SETTINGS="${SETTINGS[$start]%$'\n'}" \
             WAIT_FOR="$WAIT_FOR" bash benchmarks/smollm2_sweep.sh > "$O/sweep_$start.out" 2>&1
