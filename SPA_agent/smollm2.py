@@ -23,6 +23,8 @@ returns is marked as quantized, so `save_pretrained` refuses it until it is rebu
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import importlib.util
 import os
 import queue
@@ -33,6 +35,7 @@ import tempfile
 import threading
 import time
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from SPA_agent.model_cache import DEFAULT_CACHE_DIR, MARKER_FILE, save_model_dir
@@ -164,6 +167,24 @@ def find_gguf(cache_dir: Path, download: bool = True) -> Path:
     return path
 
 
+@contextlib.contextmanager
+def gguf_parsed_once() -> Iterator[None]:
+    """Inside: `gguf.GGUFReader` gives one reader per file and `gguf.get_tensor_name_map` one map per architecture
+    and layer count. transformers parses the whole file again in each `from_pretrained` (four times for a tokenizer
+    and a model, ~8 s each for SmolLM2 on a 2-core CPU) and builds the same name map for every module of the model
+    (397 times, ~8 s); both can be shared, as transformers only reads them (the reader's memmap is read-only)."""
+    import gguf
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    open_once = functools.cache(reader)
+    gguf.GGUFReader = lambda path, *args, **kwargs: open_once(Path(path).resolve(), *args, **kwargs)
+    gguf.get_tensor_name_map = functools.cache(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+
+
 def convert_gguf(gguf_path: Path, output_dir: Path, dtype: str = "bfloat16") -> Path:
     """A plain Hugging Face directory from a Llama-architecture GGUF file (written atomically). The weights are
     de-quantized by transformers, then copied into a model built from the same config, which `save_pretrained`
@@ -180,7 +201,8 @@ def convert_gguf(gguf_path: Path, output_dir: Path, dtype: str = "bfloat16") -> 
     kwargs = dict(gguf_file=gguf_path.name)
     print(f"{NAME}: reading {gguf_path} (de-quantizing its tensors)", file=sys.stderr, flush=True)
     start = time.perf_counter()
-    with library_bars_off(modeling_gguf_pytorch_utils):  # plain lines in a log, as everywhere else
+    # plain lines in a log, as everywhere else; the file parsed once, not per `from_pretrained`
+    with library_bars_off(modeling_gguf_pytorch_utils), gguf_parsed_once():
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
         loaded = AutoModelForCausalLM.from_pretrained(gguf_path.parent, **kwargs)
     config = loaded.config

@@ -161,6 +161,48 @@ def test_token_roles_under_the_smollm2_template(converted, with_system):
                      + [CONTEXT] * len(user2) + [SAMPLED] * len(turns[1].ids) + [CONTEXT] * len(tail))
 
 
+def test_gguf_parsed_once_shares_readers_and_name_maps_and_restores_both_after_an_error(tiny_gguf, tmp_path):
+    import gguf
+
+    path, _ = tiny_gguf
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    copy = tmp_path / path.name
+    copy.write_bytes(path.read_bytes())
+    llama = gguf.MODEL_ARCH.LLAMA
+    with pytest.raises(RuntimeError, match="the body failed"), smollm2.gguf_parsed_once():
+        first = gguf.GGUFReader(path)
+        assert isinstance(first, reader) and first.data.mode == "r"  # read-only: nothing can change it
+        assert gguf.GGUFReader(str(path.parent / ".." / path.parent.name / path.name)) is first
+        assert gguf.GGUFReader(copy) is not first
+        assert gguf.get_tensor_name_map(llama, 2) is gguf.get_tensor_name_map(llama, 2)
+        assert gguf.get_tensor_name_map(llama, 3) is not gguf.get_tensor_name_map(llama, 2)
+        raise RuntimeError("the body failed")
+    assert gguf.GGUFReader is reader and gguf.get_tensor_name_map is name_map
+    assert gguf.GGUFReader(path) is not gguf.GGUFReader(path)
+
+
+def test_conversion_parses_the_file_and_builds_the_name_map_once(tiny_gguf, tmp_path, monkeypatch):
+    """Not once per `from_pretrained` (tokenizer and model: four times) and per module of the model."""
+    import gguf
+
+    path, _ = tiny_gguf
+    calls = {"GGUFReader": 0, "get_tensor_name_map": 0}
+
+    def counted(name):
+        original = getattr(gguf, name)
+
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return original(*args, **kwargs)
+
+        return call
+
+    for name in calls:
+        monkeypatch.setattr(gguf, name, counted(name))
+    smollm2.convert_gguf(path, tmp_path / "model")
+    assert calls == {"GGUFReader": 1, "get_tensor_name_map": 1}
+
+
 def test_find_gguf_checks_the_sha256_of_the_file_it_is_given(tiny_gguf, monkeypatch, tmp_path):
     path, _ = tiny_gguf
     monkeypatch.setenv(smollm2.GGUF_ENV, str(path))
