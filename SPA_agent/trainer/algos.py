@@ -150,11 +150,40 @@ def gae(
 
     verl 0.9.1 skips masked positions (their values and rewards do not enter δ; the recursion jumps over them),
     which the tests pin. With one terminal reward R and γ = λ = 1: returns_t = R on every masked-in position.
+    The recursion is `_gae_recursion`: verl's `compute_gae_advantage_return` loop, bit for bit, in numpy.
     """
     check_rewards_inside_mask(token_level_rewards, mask)
-    return core_algos.compute_gae_advantage_return(
-        token_level_rewards=token_level_rewards, values=values, response_mask=mask, gamma=gamma, lam=lam
-    )
+    if values.dtype not in (torch.float32, torch.float64):  # bfloat16, float16 (untested in numpy): verl's own
+        return core_algos.compute_gae_advantage_return(token_level_rewards, values, mask, gamma, lam)
+    with torch.no_grad():
+        advantages = _gae_recursion(token_level_rewards, values, mask, gamma, lam)
+        returns = advantages + values
+        return verl_F.masked_whiten(advantages, mask), returns
+
+
+def _gae_recursion(
+    token_level_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> torch.Tensor:
+    """The unwhitened advantages of verl 0.9.1's `compute_gae_advantage_return`, (B, T-1): its backward loop over
+    the columns, the same elementwise operations in the same order and dtype, so bit-identical (tested).
+
+    Why not verl's own: its loop makes ~10 torch calls a column, and a multi-turn row has ~3,000 columns: 0.19 s of
+    a SmolLM2 PPO step on an H200 host (issue 42). The same arithmetic on numpy's time-major rows costs ~1/5 of it.
+    """
+    def time_major(x: torch.Tensor) -> np.ndarray:
+        return np.ascontiguousarray(x.detach().to("cpu", values.dtype).numpy().T)
+
+    rewards, value, on = time_major(token_level_rewards), time_major(values), time_major(mask)
+    off = 1 - on
+    next_value, last_gae = np.zeros_like(value[0]), np.zeros_like(value[0])
+    advantages = np.empty_like(value)
+    for t in reversed(range(value.shape[0])):
+        delta = rewards[t] + gamma * next_value - value[t]
+        gae_t = delta + gamma * lam * last_gae
+        next_value = value[t] * on[t] + off[t] * next_value
+        last_gae = gae_t * on[t] + off[t] * last_gae
+        advantages[t] = last_gae
+    return torch.from_numpy(np.ascontiguousarray(advantages.T)).to(values.device)
 
 
 def _turn_level_returns(

@@ -87,6 +87,29 @@ def test_verl_gae_skips_masked_positions():
     torch.testing.assert_close(returns[on], torch.tensor([a0 + 0.1, a1 + 0.2, a4 + 0.5, a5 + 0.6]))
 
 
+@pytest.mark.parametrize("dtype, mask_dtype, gamma, lam", [
+    (torch.float32, torch.float32, 1.0, 1.0), (torch.float32, torch.int32, 0.99, 0.95),
+    (torch.float32, torch.int64, 0.9, 1.0), (torch.float64, torch.float32, 0.97, 0.9),
+    (torch.bfloat16, torch.float32, 1.0, 0.95),
+])
+def test_gae_is_verls_bit_for_bit(dtype, mask_dtype, gamma, lam):
+    """algos.gae runs verl 0.9.1's recursion in numpy (issue 42): advantages and returns equal verl's exactly, on
+    multi-turn-like masks (runs of trained tokens between untrained ones, rows of different lengths, an empty row)
+    with rewards inside the mask, dense and terminal."""
+    generator = torch.Generator().manual_seed(7)
+    rows, length = 16, 300
+    mask = (torch.rand(rows, length, generator=generator) < 0.35).to(mask_dtype)
+    mask[3] = 0  # a row with nothing to train
+    values = torch.randn(rows, length, generator=generator).to(dtype)
+    rewards = (torch.randn(rows, length, generator=generator) * (torch.rand(rows, length, generator=generator) < 0.05)
+               * mask).to(dtype)
+    ends = mask.to(torch.float32).cumsum(-1).argmax(-1)  # each row's last trained position
+    rewards[torch.arange(rows), ends] += torch.where(mask.any(-1), 1.0, 0.0).to(dtype)
+    expected = core_algos.compute_gae_advantage_return(rewards, values, mask, gamma, lam)
+    for got, want in zip(algos.gae(rewards, values, mask, gamma, lam), expected, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
 def test_reward_outside_mask_is_refused():
     mask = torch.tensor([[1.0, 1.0, 0.0]])
     rewards = torch.tensor([[0.0, 0.0, 1.0]])
