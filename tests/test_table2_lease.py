@@ -268,10 +268,10 @@ def test_gate_profile_goes_to_the_baseline_benchmark_alone(tmp_path):
 
 @pytest.mark.parametrize("arms, gpu_ids", [
     ("spa_s1 spa_s2 format_s1 format_s2", {"wm": "0 1", "nowm": "1 0"}),  # the two SFTs on GPUs 0 and 1
-    ("", {"wm": "0 1 0", "nowm": "1 1", "base": "0"}),  # the first 3 x 2 arms
+    ("", {"wm": "0 1", "nowm": "1", "base": "0"}),  # the first 2 x 2 arms
     ("spa_s0 format_s0@1 format_s1@1", {"wm": "0", "nowm": "1 1"}),  # SPA alone, the format-only seeds beside it
     ("spa_s0@1 spa_s1@1 format_s0@0", {"wm": "1 1", "nowm": "0"}),
-], ids=["seeds_1_2", "default_six", "placed", "placed_swapped"])
+], ids=["seeds_1_2", "default_four", "placed", "placed_swapped"])
 def test_two_gpus_take_the_arms_round_robin_and_the_two_sfts_one_each(tmp_path, arms, gpu_ids):
     work, _ = run_gated_job(tmp_path, (10.0, 10.0, 10.0), ARMS=arms, PATH=with_gpus(tmp_path, 2))
     assert {start: (work / f"table2_{start}" / "logs" / "gpu_ids").read_text().strip()

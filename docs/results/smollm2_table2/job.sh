@@ -14,7 +14,7 @@
 #
 # The arms are the lines of arms.txt ("<name> <start> <PPO overrides>"), in priority order: SPA, format-only and
 # Vanilla RL with seed 0, then seeds 1 and 2 of SPA, then of format-only, then of Vanilla RL. The first
-# ARMS_PER_GPU (3) x GPUs of them run (ARMS="name ..." picks others, e.g. the rest in a later lease); arm i goes to
+# ARMS_PER_GPU (2) x GPUs of them run (ARMS="name ..." picks others, e.g. the rest in a later lease); arm i goes to
 # GPU i mod GPUs, or to the GPU a name in ARMS gives it after an @ (ARMS="spa_s0 format_s0@1 format_s1@1": SPA alone
 # on GPU 0, the two format-only seeds side by side on GPU 1). Three sweeps of benchmarks/smollm2_sweep.sh run side by side, one per start:
 #   wm    random-action data, world-model SFT (2 epochs) on the first GPU of its arms, then its arms (SPA);
@@ -25,10 +25,10 @@
 #
 # Measured in lease 1 (one H200, spa_s0, format_s0 and vanilla_s0 on the one GPU; README.md beside this file): data
 # and the two SFTs ~5 minutes, then in ~25 minutes SPA reached step 51 (19.1 s a step), format-only 141 (7.9 s) and
-# Vanilla RL 52 (24.7 s: its samples run to the cap). One arm alone takes ~9.4 s a step. On nvidia-h200-x2 six arms
-# run (spa_s0 spa_s1 spa_s2 format_s0 format_s1 vanilla_s0); on nvidia-h200-x4 all 9 arms run,
-# 2-3 a GPU. Each arm holds ~20-35 GiB at its peak (weights, optimizer states, the validation's KV cache of 512
-# sequences); three a GPU stay under the H200's 139 GiB.
+# Vanilla RL 52 (24.7 s: its samples run to the cap). One arm alone takes ~9.4 s a step. On nvidia-h200-x2 four arms
+# run (spa_s0 format_s0 vanilla_s0 spa_s1), on nvidia-h200-x4 eight. Two a GPU, not three: in lease 7 a third arm
+# on one H200 ran out of its 143 GiB at step 151 (the two others held 125 GiB after; lease 1's three, at ~50-140
+# steps, had fit).
 #
 # GATE: pipeline (default) or off. With pipeline, the sweeps wait, after their SFTs, for $WORK/gate.txt
 # (smollm2_sweep.sh's WAIT_FOR); once every sweep is ready (or has exited), the job times 3 PPO steps of the SPA arm
@@ -96,7 +96,7 @@ fi
 export CONFIG="${CONFIG:-_2_sokoban}"
 CONFIG_PPO=""  # the rollouts' length smollm2_sweep.sh gives every FrozenLake arm, for the gate's step benchmark
 [ "$CONFIG:$MODEL" = _3_frozen_lake:smollm2-135m ] && CONFIG_PPO="actor_rollout_ref.rollout.response_length=320"
-case "${ARMS_PER_GPU:-3}" in
+case "${ARMS_PER_GPU:-2}" in
     ""|0|*[!0-9]*) echo "error: ARMS_PER_GPU takes a number >= 1, got '$ARMS_PER_GPU'" >&2; exit 2 ;;
 esac
 ARMS_FILE="${ARMS_FILE:-$HERE/arms.txt}"
@@ -127,7 +127,7 @@ if [ -n "${ARMS:-}" ]; then
     done
     CHOSEN="$(grep -E "^($(echo $names | tr ' ' '|')) " <<< "$ALL")"  # in the file's order
 elif [ "$N" -gt 0 ]; then
-    CHOSEN="$(head -n $(( N * ${ARMS_PER_GPU:-3} )) <<< "$ALL")"
+    CHOSEN="$(head -n $(( N * ${ARMS_PER_GPU:-2} )) <<< "$ALL")"
 else
     CHOSEN="$ALL"
 fi
