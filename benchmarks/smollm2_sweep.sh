@@ -98,14 +98,21 @@ check_stages "${STAGES[@]}"
 
 mkdir -p "$OUT/logs"
 rm -f "$OUT/logs/ready"  # a caller waiting for it must not see an earlier sweep's
-[ "$MODEL" = smollm2-135m ] && python -m SPA_agent.smollm2 > "$OUT/logs/convert.log" 2>&1
+stamp() { echo "$(date -u +%T) $*" >> "$OUT/logs/stages.txt"; }  # when each stage ended (wall times of a lease)
+stamp "checks done"
+if [ "$MODEL" = smollm2-135m ]; then
+    python -m SPA_agent.smollm2 > "$OUT/logs/convert.log" 2>&1
+    stamp "model converted"
+fi
 if [ "$START" != base ]; then
     python "${DATA_STAGE[@]}" > "$OUT/logs/data.log" 2>&1
     [ "$START" = nowm ] && python -m SPA_agent.selfplay.without_worldmodel --config-name "$CONFIG" "$OUT/data" \
         "$DATA" model="$MODEL_PRESET" >> "$OUT/logs/data.log" 2>&1
+    stamp "data done"
     sft_placement=()  # the first SFT_GPUS of the sweep's GPUs
     [ "$GPUS" -gt 0 ] && sft_placement=(CUDA_VISIBLE_DEVICES="$(IFS=,; echo "${GPU_LIST[*]:0:$SFT_GPUS}")")
     env "${sft_placement[@]}" bash sft/finetune_ft.sh "${SFT_STAGE[@]}" > "$OUT/logs/sft.log" 2>&1
+    stamp "SFT done"
     START_MODEL="$(latest_checkpoint "$OUT/sft")"
 fi
 GATE=()  # WAIT_FOR's overrides, after every setting's
@@ -115,6 +122,7 @@ if [ -n "${WAIT_FOR:-}" ]; then
     read -ra GATE <<< "$(tr '\n' ' ' < "$WAIT_FOR")"
     echo "overrides from $WAIT_FOR: ${GATE[*]:-none}" >> "$OUT/logs/placement.txt"
 fi
+stamp "arms start"
 run=0
 while read -r name overrides; do
     placement=()  # one GPU a run, round-robin; none on a CPU host

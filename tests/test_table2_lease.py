@@ -102,6 +102,8 @@ def test_a_sweep_with_wait_for_is_ready_after_its_stages_then_adds_the_gate_afte
     command = (out / "logs" / "a.log").read_text().split()
     assert command[-3:] == ["trainer.seed=1", f"actor_rollout_ref.actor.sft_aux_files={out}/data/wm_train.parquet",
                             "agent_proxy.pipeline_turns=true"]  # the gate's after the setting's overrides
+    stages = [line.split(" ", 1)[1] for line in (out / "logs" / "stages.txt").read_text().splitlines()]
+    assert stages == ["checks done", "arms start"]  # no conversion (tiny), data or SFT (START=base)
 
 
 SWEEP_STUB = """#!/usr/bin/env bash
