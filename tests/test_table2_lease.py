@@ -81,6 +81,35 @@ def test_each_arm_composes_for_smollm2_and_passes_the_ppo_checks(name, start, ov
     assert cfg.generator.seed == cfg.trainer.seed == int(name[-1])
 
 
+def study300_arms() -> list[tuple[str, str, list[str]]]:
+    path = HERE.parent / "smollm2_study300" / "arms.txt"
+    lines = [line.split() for line in path.read_text().splitlines() if line and line[0] != "#"]
+    return [(name, start, overrides) for name, start, *overrides in lines]
+
+
+def test_the_300_step_study_runs_the_first_studys_four_settings_from_the_world_model_sft_in_base_prompts():
+    first = [line.split() for line in (HERE.parent / "smollm2_study_h200x4" / "arms.txt").read_text().splitlines()]
+    assert [(name, start, overrides) for name, start, *overrides in [[line[0], "wm", "ctx_manager.mode=base",
+                                                                     *line[1:]] for line in first]] == study300_arms()
+
+
+@pytest.mark.parametrize("name, start, overrides", study300_arms(), ids=[a[0] for a in study300_arms()])
+def test_each_300_step_study_arm_composes_for_smollm2_and_passes_the_ppo_checks(name, start, overrides):
+    cfg = compose("_2_sokoban", ["model=smollm2-135m", *SWEEP, *overrides])
+    check_config(cfg)
+    assert (cfg.ctx_manager.mode, cfg.render_mode) == ("base", "text_with_coordinates")
+    assert cfg.trainer.total_training_steps == 300 and cfg.trainer.test_freq == 25
+    assert cfg.es_manager.val.env_groups * cfg.es_manager.val.group_size == 512  # 128 puzzles x 4
+
+
+
+def test_the_300_step_studys_command_puts_two_arms_a_gpu_after_one_sft(tmp_path):
+    """Its README's command: every arm in the wm sweep, placed as named (the SFT on GPU 0)."""
+    work, _ = run_job(tmp_path, GATE="off", ARMS_FILE=str(HERE.parent / "smollm2_study300" / "arms.txt"),
+                      ARMS="gae_warmup@0 gae_kl_3e-5@0 grpo_guard@1 lora_r32@1", PATH=with_gpus(tmp_path, 2))
+    assert (work / "table2_wm" / "logs" / "gpu_ids").read_text().strip() == "0 0 1 1"
+    assert not (work / "table2_nowm").exists() and not (work / "table2_base").exists()
+
 def test_a_sweep_with_wait_for_is_ready_after_its_stages_then_adds_the_gate_after_each_arms_overrides(tmp_path):
     out, gate = tmp_path / "sweep", tmp_path / "gate.txt"
     env = {**ENV, "START": "base", "MODEL": "tiny", "GPUS": "0", "STEPS": "2", "TEST_FREQ": "1", "OUT": str(out),
