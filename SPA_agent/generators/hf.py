@@ -174,6 +174,7 @@ class HFGenerator:
         keep_decode_graphs: bool = False,
         reuse_prefix_cache: bool = False,
         prefill_chunk_tokens: int | None = None,
+        compact_decode_rows: int = 0,
     ):
         if batch_size is not None and batch_size != "auto" and (not isinstance(batch_size, int) or batch_size < 1):
             raise ValueError(f"generator.batch_size must be a positive integer, auto or null, got {batch_size!r}")
@@ -186,6 +187,8 @@ class HFGenerator:
         if prefill_chunk_tokens is not None and (isinstance(prefill_chunk_tokens, bool)
                                                  or not isinstance(prefill_chunk_tokens, int) or prefill_chunk_tokens < 1):
             raise ValueError(f"generator.prefill_chunk_tokens must be a positive integer, got {prefill_chunk_tokens!r}")
+        if isinstance(compact_decode_rows, bool) or not isinstance(compact_decode_rows, int) or compact_decode_rows < 0:
+            raise ValueError(f"generator.compact_decode_rows must be an integer of at least 0, got {compact_decode_rows!r}")
         self.model, self.tokenizer, self.sampling = model, tokenizer, sampling
         self.max_batch_tokens, self.progress = max_batch_tokens, progress
         self.stop_ids = end_of_turn_ids(model, tokenizer)
@@ -217,6 +220,8 @@ class HFGenerator:
         self.reuse_prefix_cache = reuse_prefix_cache
         # prompt tokens a prefill forward of the static decoder (None: static_decode.PREFILL_TOKENS)
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        # a turn's last running rows decoded apart once at most this many remain (static_decode.py; 0: off)
+        self.compact_decode_rows = compact_decode_rows
         self._static = None
         self._calls = 0
 
@@ -240,6 +245,7 @@ class HFGenerator:
             keep_decode_graphs=bool(cfg.get("keep_decode_graphs", False)),
             reuse_prefix_cache=bool(cfg.get("reuse_prefix_cache", False)),
             prefill_chunk_tokens=cfg.get("prefill_chunk_tokens"),
+            compact_decode_rows=cfg.get("compact_decode_rows", 0),
         )
 
     @property
@@ -314,7 +320,8 @@ class HFGenerator:
                                             compile_step=self.compile_decode_step, attention=self.decode_attention,
                                             keep_graphs=self.keep_decode_graphs,
                                             reuse_prefix_cache=self.reuse_prefix_cache,
-                                            prefill_chunk_tokens=self.prefill_chunk_tokens)
+                                            prefill_chunk_tokens=self.prefill_chunk_tokens,
+                                            compact_rows=self.compact_decode_rows)
         return self._static
 
     def _kernels(self) -> contextlib.AbstractContextManager:

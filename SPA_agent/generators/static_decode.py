@@ -49,7 +49,19 @@ dominates decoding time for GQA models at large batch. Here:
   padding and the loop stops when all have finished: it reads whether they had `DONE_LAG` steps earlier
   (`DoneWatch`: each step's flag copied to the host asynchronously), so it never stalls the device and runs at most
   `DONE_LAG` steps past the turn's end (it checked every `CHECK_EVERY` = 16 steps with a device sync before: up to
-  15 steps of the whole batch past each turn's end).
+  15 steps of the whole batch past each turn's end);
+- optionally (`compact_rows`, generator.compact_decode_rows; 0 = off, the default) the tail of a turn decodes only
+  its running rows: a turn runs until its longest sample ends, and on SmolLM2 in most PPO steps a few samples run to
+  the 256-token cap while the rest ended ~100–150 steps earlier, each of those steps costing the whole batch's
+  2.3–3.4 ms (H200). Once the rows still running, as the host sees them `DONE_LAG` steps late (`DoneWatch` copies
+  the `done` vector), are at most `compact_rows` in a larger batch, the call moves them once to a decode state of
+  `compact_rows` rows over a small KV storage of its own (`_CompactRows`: their keys copied in, and back into their
+  own rows when the call ends, so the kept buffer and the reused prefix cache see the keys they would have
+  without it; the other rows' keys are never touched). That state (and its CUDA graph) is kept as the call's states
+  are, and attends with `split_kv` where the call uses `split_kv_shared` (its rows need not share a prefix). The
+  sampler still draws on all B rows' logits each step (the compact rows' logits put into their rows, the other rows
+  keeping finite stale ones, masked to padding): every random draw, and every sample, is the same (float32 on CPU:
+  tested). Turn by turn only (pipelined turns keep their rows busy); not yet measured on a GPU.
 
 Supports decoder-only models whose attention layers call `past_key_values.update(key, value, layer_idx)` and
 dispatch through transformers' attention interface (Llama, Qwen2, Mistral, ...); not sliding-window layers.
@@ -318,6 +330,18 @@ class KVStorage:
             for buffer in buffers:
                 buffer[targets, :width] = buffer[sources, :width]
 
+    def allocate_like(self, other: KVStorage) -> None:
+        """Every layer's keys and values, of `other`'s head count, size and dtype, allocated now: rows can be copied
+        in (`copy_rows_to`) before this storage's first forward."""
+        for buffers, others in ((self.keys, other.keys), (self.values, other.values)):
+            buffers.extend(buffer.new_zeros((self.rows, self.max_len, *buffer.shape[2:])) for buffer in others)
+
+    def copy_rows_to(self, rows: torch.Tensor, target: KVStorage, target_rows: torch.Tensor) -> None:
+        """Rows `target_rows` of `target` (as many keys a row) take this storage's rows `rows`, whole, in every
+        layer (a copy on the device)."""
+        for source, into in zip(self.keys + self.values, target.keys + target.values):
+            into[target_rows] = source[rows]
+
     def gather_rows(self, rows: list[int]) -> None:
         """Row i takes row rows[i]'s keys and values, in every layer (a copy on the device; any order)."""
         if self.keys and rows != list(range(len(rows))):
@@ -393,7 +417,8 @@ class DecodeStats:
     prefill_tokens: int = 0  # prompt positions run through prefill, padding of each chunk included
     reused_tokens: int = 0  # prompt positions not prefilled: their keys were in the row's cache (reuse_prefix_cache)
     copied_tokens: int = 0  # prompt positions not prefilled: copied from an identical prompt's row (split_kv_shared)
-    decode_steps: int = 0  # one-token forward passes of the whole decode batch
+    decode_steps: int = 0  # one-token forward passes of the decode batch (compact_steps of them on its running rows)
+    compact_steps: int = 0  # decode steps run on the compact state of the running rows only (compact_rows)
     capture_s: float = 0.0  # seconds spent capturing CUDA graphs
     states_built: int = 0  # decode states built (on GPU a CUDA graph each); keep_graphs reuses them across calls
 
@@ -401,30 +426,33 @@ class DecodeStats:
 class DoneWatch:
     """Whether every row of a decode loop had finished DONE_LAG steps ago, read without stalling the device.
 
-    Each step's `done.all()` goes to the host by an asynchronous copy (pinned memory, an event after it); reading the
-    flag of DONE_LAG steps back waits, if at all, only for that step's work, while the later steps are queued. So the
-    host stays at most DONE_LAG steps ahead of the device and the loop stops DONE_LAG steps after the last row's end
-    of turn. (A check every step with a sync would leave the device idle while the host queues the next step.) The
-    rows past their end decode padding, as finished rows do, so the tokens are the same at any lag."""
+    Each step's `done` vector goes to the host by an asynchronous copy (pinned memory, an event after it); reading
+    the vector of DONE_LAG steps back waits, if at all, only for that step's work, while the later steps are queued.
+    So the host stays at most DONE_LAG steps ahead of the device and the loop stops DONE_LAG steps after the last
+    row's end of turn. (A check every step with a sync would leave the device idle while the host queues the next
+    step.) The rows past their end decode padding, as finished rows do, so the tokens are the same at any lag. The
+    vector read is kept (`seen`), so the loop knows, as late, which rows still run (`StaticDecoder.compact_rows`)."""
 
     def __init__(self, device: torch.device, lag: int = DONE_LAG):
         self.lag, self.step = lag, 0
         self.on_cuda = device.type == "cuda"
-        self.flags = torch.zeros(lag, dtype=torch.bool, pin_memory=self.on_cuda)
+        self.flags: torch.Tensor | None = None  # (lag, B), allocated at the first step's B
         self.events = [torch.cuda.Event() for _ in range(lag)] if self.on_cuda else []
+        self.seen: torch.Tensor | None = None  # (B,) on the host: `done` of `lag` steps ago (None before)
 
     def all_done_before(self, done: torch.Tensor) -> bool:
         """Record this step's `done`; whether every row had finished `lag` steps ago."""
+        if self.flags is None:
+            self.flags = torch.zeros((self.lag, *done.shape), dtype=torch.bool, pin_memory=self.on_cuda)
         slot, self.step = self.step % self.lag, self.step + 1
-        finished = False
         if self.step > self.lag:
             if self.on_cuda:
                 self.events[slot].synchronize()
-            finished = bool(self.flags[slot])
-        self.flags[slot].copy_(done.all(), non_blocking=self.on_cuda)
+            self.seen = self.flags[slot].clone()  # the slot is overwritten below, asynchronously
+        self.flags[slot].copy_(done, non_blocking=self.on_cuda)
         if self.on_cuda:
             self.events[slot].record()
-        return finished
+        return self.seen is not None and bool(self.seen.all())
 
 
 class _DecodeState:
@@ -512,6 +540,47 @@ class _DecodeState:
         self.capture_s = time.perf_counter() - start
 
 
+def to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """Host ints as a long tensor on `device`; to a GPU from pinned memory without waiting (a pageable copy would
+    wait for the device's queued decode steps)."""
+    host = torch.tensor(values, dtype=torch.long)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+class _CompactRows:
+    """A decode loop's running rows (`rows` of its B), decoded in the compact state (`StaticDecoder.compact_rows`).
+
+    The compact state's rows [0, n) take the rows' keys and values from the call's storage, whole; its rows past n
+    are padding (finished from the start). Each step feeds them their sampled tokens at their positions and returns
+    (B, V) logits: the compact rows' put into their rows, the other rows keeping the finite logits they had at the
+    switch (they are finished, so their samples are masked to padding), so the sampler draws for all B rows as
+    before. `put_back` copies the rows back, whole, into their own rows of the call's storage."""
+
+    def __init__(self, state: _DecodeState, compact: _DecodeState, rows: list[int], logits: torch.Tensor,
+                 prompt_lengths: torch.Tensor):
+        self.state, self.compact, self.count = state, compact, len(rows)
+        self.rows = to_device(rows, logits.device)
+        self.places = torch.arange(self.count, device=logits.device)
+        self.lengths = prompt_lengths[self.rows]
+        self.logits = logits.clone()  # (a CUDA graph's output is overwritten by its next replay)
+        state.cache.storage.copy_rows_to(self.rows, compact.cache.storage, self.places)
+        compact.pad_rows(self.count)
+
+    def step(self, next_tokens: torch.Tensor, step: int, done: torch.Tensor) -> torch.Tensor:
+        """One decode step of the compact rows; (B, V) logits of every row's next token."""
+        count = self.count
+        self.compact.finished[:count].copy_(done[self.rows])
+        self.compact.input_ids[:count, 0].copy_(next_tokens[self.rows])
+        self.compact.positions[:count].copy_(self.lengths + step)
+        return self.logits.index_copy_(0, self.rows, self.compact.step()[:count])
+
+    def put_back(self) -> None:
+        """The rows' keys and values, those written here included, back into their rows of the call's storage."""
+        self.compact.cache.storage.copy_rows_to(self.places, self.state.cache.storage, self.rows)
+
+
 def left_aligned(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_id: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded prompts (B, P) moved to the start of their rows (padding on the right); and their lengths."""
@@ -527,7 +596,7 @@ class StaticDecoder:
 
     def __init__(self, model, stop_ids: list[int], pad_id: int, use_cuda_graphs: bool = True,
                  compile_step: bool = False, attention: str = "flash", keep_graphs: bool = False,
-                 prefill_chunk_tokens: int | None = None):
+                 prefill_chunk_tokens: int | None = None, compact_rows: int = 0):
         if attention not in ATTENTION_KERNELS:
             raise ValueError(f"decode attention must be one of {ATTENTION_KERNELS}, got {attention!r}")
         self.prefill_chunk_tokens = PREFILL_TOKENS if prefill_chunk_tokens is None else prefill_chunk_tokens
@@ -539,12 +608,14 @@ class StaticDecoder:
         self.model, self.pad_id = model, pad_id
         self.device = next(model.parameters()).device
         self.attention, self.keep_graphs = attention, keep_graphs
+        self.compact_rows = compact_rows  # a call's running rows decoded apart once this few remain (0: never)
         self.stop_ids = torch.tensor(stop_ids, device=self.device)
         self.use_cuda_graphs = use_cuda_graphs and self.device.type == "cuda"
         # one compiled step for every (B, L): dynamic shapes, so a new batch size or cache length does not recompile
         self._step_fn = torch.compile(_DecodeState.forward_step, dynamic=True) if compile_step else None
         self._storage: KVStorage | None = None
         self._states: dict[int, _DecodeState] = {}  # by rows: every state reads the first rows of _storage
+        self._compact: _DecodeState | None = None  # of compact_rows rows over a storage of its own (`_compact_state`)
         self._weight_addresses: list[int] = []  # with keep_graphs: the weights' addresses the states were built at
         self.last_capture_s = 0.0  # seconds the last call spent capturing CUDA graphs
         self.stats = DecodeStats()
@@ -552,6 +623,7 @@ class StaticDecoder:
     def release(self) -> None:
         """Free the KV buffers and the CUDA graphs (they are rebuilt on the next call)."""
         self._states.clear()
+        self._compact = None
         self._storage = None
 
     def generate(
@@ -588,15 +660,15 @@ class StaticDecoder:
         """Capture the state's graph (once), prefill (`prefill()`: the first new tokens' logits) and decode the
         call's rows, the prompts of `lengths` (their ids `prompt_ids`, which split_kv_shared needs: the prefixes
         they share are read once); (B, max_new_tokens) sampled ids."""
-        captured_before = state.capture_s
+        captured_before, self.last_capture_s = state.capture_s, 0.0  # (`_compact_state` adds its capture)
         with decode_attention_mode(self.model):
             state.capture()
             state.pad_rows(len(lengths))
             state.share_prefixes(prompt_ids or [])
             logits = prefill()
             tokens = self._decode(state, logits, lengths, params, generator)
-        self.last_capture_s = state.capture_s - captured_before
-        self.stats.capture_s += self.last_capture_s
+        self.last_capture_s += state.capture_s - captured_before
+        self.stats.capture_s += state.capture_s - captured_before
         return tokens
 
     def _follow_weights(self) -> None:
@@ -699,20 +771,62 @@ class StaticDecoder:
         params: SamplingParams,
         generator: torch.Generator,
     ) -> torch.Tensor:
-        """Sample, feed back, repeat; (B, max_new_tokens) ids with `pad_id` after each end of turn."""
+        """Sample, feed back, repeat; (B, max_new_tokens) ids with `pad_id` after each end of turn. Once few rows
+        still run (`compact_rows`), the rest of the call decodes them alone (`_CompactRows`)."""
         batch = logits.shape[0]  # the state's rows past it are padding (`pad_rows`): never sampled
         tokens = torch.full((batch, params.max_new_tokens), self.pad_id, dtype=torch.long, device=self.device)
         done = torch.zeros(batch, dtype=torch.bool, device=self.device)
         watch = DoneWatch(self.device)
+        compact: _CompactRows | None = None
         for step in range(params.max_new_tokens):
             next_tokens = sample(logits, params, generator).masked_fill(done, self.pad_id)
             tokens[:, step] = next_tokens
             done |= torch.isin(next_tokens, self.stop_ids)
-            state.finished[:batch].copy_(done)
             if step == params.max_new_tokens - 1 or watch.all_done_before(done):
                 break
-            state.input_ids[:batch].copy_(next_tokens[:, None])
-            state.positions[:batch].copy_(prompt_lengths + step)
-            logits = state.step()[:batch]
+            running = self._rows_to_compact(watch.seen) if compact is None else None
+            if running is not None:
+                compact = _CompactRows(state, self._compact_state(), running, logits, prompt_lengths)
+            if compact is None:
+                logits = self._step_all(state, next_tokens, prompt_lengths + step, done)
+            else:
+                logits = compact.step(next_tokens, step, done)
+                self.stats.compact_steps += 1
             self.stats.decode_steps += 1
+        if compact is not None:
+            compact.put_back()
         return tokens
+
+    @staticmethod
+    def _step_all(state: _DecodeState, next_tokens: torch.Tensor, positions: torch.Tensor,
+                  done: torch.Tensor) -> torch.Tensor:
+        """One decode step of the call's B rows (the state's first B) in its state; (B, V) logits."""
+        batch = len(next_tokens)
+        state.finished[:batch].copy_(done)
+        state.input_ids[:batch].copy_(next_tokens[:, None])
+        state.positions[:batch].copy_(positions)
+        return state.step()[:batch]
+
+    def _rows_to_compact(self, seen: torch.Tensor | None) -> list[int] | None:
+        """The rows still running as the host saw them (`DoneWatch.seen`), if compaction is on, the call's batch is
+        larger than `compact_rows` and they are at most that many; else None."""
+        if not self.compact_rows or seen is None or len(seen) <= self.compact_rows:
+            return None
+        running = (~seen).nonzero()[:, 0].tolist()
+        return running if len(running) <= self.compact_rows else None
+
+    def _compact_state(self) -> _DecodeState:
+        """The decode state of `compact_rows` rows over a KV storage of its own, as long as the call's (`release`
+        drops it with the call's storage): built, and its graph captured, at its first use. It attends with split_kv
+        where the call's state uses split_kv_shared: its rows are whichever still run, sharing no known prefix."""
+        if self._compact is None:
+            storage = KVStorage(self.compact_rows, self._storage.max_len)
+            storage.allocate_like(self._storage)
+            attention = "split_kv" if self.attention == SHARED_KERNEL else self.attention
+            self._compact = _DecodeState(self.model, self.compact_rows, storage, self.use_cuda_graphs, self._step_fn,
+                                         attention)
+            self.stats.states_built += 1
+            self._compact.capture()
+            self.last_capture_s += self._compact.capture_s
+            self.stats.capture_s += self._compact.capture_s
+        return self._compact
