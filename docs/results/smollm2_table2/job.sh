@@ -158,6 +158,7 @@ declare -A GPU_TESTS=(
     ["generator.decode_attention=split_kv"]=tests/generators/test_split_kv_decode.py
     ["generator.decode_attention=split_kv_shared"]=tests/generators/test_shared_prefix_decode.py
     ["generator.fused_projections=true"]=tests/generators/test_fused_projections.py
+    ["actor_rollout_ref.rollout.compact_decode_rows=16"]=tests/generators/test_compact_decode.py
 )
 # The decoder every arm uses (its CUDA graphs and the end-of-turn watch; SmolLM2's shared-prefix attention and fused
 # projections): its GPU tests run for the record (the progress line says whether they passed); they gate nothing.
