@@ -138,8 +138,9 @@ class TimedGenerator:
         if stats is not None:
             row.update(prefill_tokens=stats.prefill_tokens, reused_tokens=stats.reused_tokens,
                        copied_tokens=stats.copied_tokens, decode_steps=stats.decode_steps,
-                       capture_s=round(stats.capture_s, 3))
+                       compact_steps=stats.compact_steps, capture_s=round(stats.capture_s, 3))
             stats.prefill_tokens = stats.reused_tokens = stats.copied_tokens = stats.decode_steps = 0
+            stats.compact_steps = 0
             stats.capture_s = 0.0
         if self.phases is not None:
             row.update(self.phases.take())
@@ -256,9 +257,9 @@ def main() -> None:
     summary = {"metric": "summary", "steady_steps": len(steady), **medians,
                "total": round(statistics.median(row["timing_s/step"] for row in steady), 3),
                **{k: statistics.median(row[k] for row in steady) for k in ("gen_model_s", "prefill_s", "decode_s",
-                                                                           "decode_steps", "sampled_tokens",
-                                                                           "prefill_tokens", "reused_tokens",
-                                                                           "copied_tokens")
+                                                                           "decode_steps", "compact_steps",
+                                                                           "sampled_tokens", "prefill_tokens",
+                                                                           "reused_tokens", "copied_tokens")
                   if k in steady[0]},
                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                "torch": torch.__version__, "commit": _commit(), "overrides": args.override}

@@ -41,6 +41,7 @@ def test_smoke_run_times_every_phase_and_the_decoder(background_run):
         assert step["gen_calls"] == 2 and step["gen_sequences"] == 16  # 2 turns × 8 trajectories
         assert 0 < step["sampled_tokens"] <= 16 * 16  # 16 sequences × at most 16 new tokens
         assert step["prefill_tokens"] > 0 and 0 < step["decode_steps"] <= 2 * 15  # ≤ 15 feeds a turn
+        assert step["compact_steps"] == 0  # decode compaction (generator.compact_decode_rows) is off by default
         calls = step["decoder_calls"]  # one a turn: 8 trajectories, their prompts, the loop's feeds
         assert [call["rows"] for call in calls] == [8, 8]
         assert sum(call["decode_steps"] for call in calls) == step["decode_steps"]
@@ -49,7 +50,7 @@ def test_smoke_run_times_every_phase_and_the_decoder(background_run):
     validation = next(line for line in lines if line["metric"] == "validation")
     assert validation["gen_sequences"] == 2 * 4 * 2  # 2 puzzles × 4 samples × 2 turns
     summary = lines[-1]
-    assert summary["metric"] == "summary" and summary["steady_steps"] == 1
+    assert summary["metric"] == "summary" and summary["steady_steps"] == 1 and summary["compact_steps"] == 0
     assert summary["total"] == steps[1]["timing_s/step"]
 
 
