@@ -326,17 +326,19 @@ def test_a_bad_placement_is_one_line_and_exit_status_2(tmp_path, arms, message):
 
 
 def test_without_the_gate_the_decoders_gpu_tests_still_run_and_the_benchmarks_gpu_waits_for_it(tmp_path):
-    """GATE=off: the decoder's GPU tests run for the record after the kernels' benchmark on the last GPU; the sweep
-    whose SFT is on that GPU starts once the benchmark has ended, the one on GPU 0 at once."""
+    """GATE=off: the decoder's and the gate variants' GPU tests run for the record after the kernels' benchmark (with
+    KERNEL_BENCH_ARGS) on the last GPU; the sweep whose SFT is on that GPU starts once the benchmark has ended, the
+    one on GPU 0 at once."""
     repo, bench_mark = tmp_path / "repo", tmp_path / "bench_ended"
     (repo / "tests" / "generators").mkdir(parents=True)
-    for name in ("test_static_decode", "test_shared_prefix_decode", "test_fused_projections"):
+    for name in ("test_static_decode", "test_shared_prefix_decode", "test_fused_projections", "test_compact_decode"):
         (repo / "tests" / "generators" / f"{name}.py").write_text("def test_gpu():\n    assert True\n")
     (repo / "benchmarks").mkdir()
     (repo / "benchmarks" / "decode_attention_kernels.py").write_text(
-        f"import time\ntime.sleep(2)\nopen({str(bench_mark)!r}, 'w').write('ended')\n")
+        f"import sys, time\ntime.sleep(2)\nopen({str(bench_mark)!r}, 'w').write(' '.join(sys.argv[1:]))\n")
     work, out = run_job(tmp_path, GATE="off", ARMS="spa_s0 format_s0@1", KERNEL_BENCH="1",
-                        BENCH_MARK=str(bench_mark), PATH=with_gpus(tmp_path, 2))
+                        KERNEL_BENCH_ARGS="--finished 0.6 0.9", BENCH_MARK=str(bench_mark), PATH=with_gpus(tmp_path, 2))
+    assert bench_mark.read_text() == f"--json {out / 'decode_attention.jsonl'} --finished 0.6 0.9"
     assert (work / "table2_wm" / "logs" / "started_bench").read_text() == "before\n"
     assert (work / "table2_nowm" / "logs" / "started_bench").read_text() == "after\n"
     assert not (work / "gate.txt").exists() and not list(tmp_path.glob("step_args_*"))  # no gate
@@ -345,6 +347,12 @@ def test_without_the_gate_the_decoders_gpu_tests_still_run_and_the_benchmarks_gp
     for name in ("test_static_decode", "test_shared_prefix_decode", "test_fused_projections"):
         assert f"the GPU tests of tests/generators/{name}.py (the decoder every arm uses; they gate nothing) " \
                "passed: 1 passed" in progress
+    # the gate's variants' tests too, for the record (gate_variants.txt: compact16 and plain_decode; the latter's
+    # test file is absent from this tree)
+    assert "the GPU tests of tests/generators/test_compact_decode.py (a gate variant's; no gate here, for the " \
+           "record) passed: 1 passed" in progress
+    assert "the GPU tests of tests/generators/test_split_kv_decode.py (a gate variant's; no gate here, for the " \
+           "record) failed" in progress
 
 
 def test_the_gate_is_empty_without_timing_when_the_wm_sweep_fails(tmp_path):

@@ -63,13 +63,13 @@
 # (collect.sh's tarball and printout take every config's); the gate times the SPA arm on CONFIG too. On FrozenLake
 # SmolLM2's rollouts get 320 new tokens a turn, not the preset's 256 (smollm2_sweep.sh says why).
 #
-# GPU tests: the decoder every arm uses has its GPU tests run for the record (RECORD_GPU_TESTS below), with either
-# GATE, in the background on the last GPU from the job's start (before the conversion), while the data and SFTs
-# are made; with GATE=pipeline the gate's variants' tests too.
-# KERNEL_BENCH=1 first times the decode attention kernels (benchmarks/decode_attention_kernels.py) there, under
-# KERNEL_BENCH_S (120) seconds (kernel_bench below); a sweep whose first GPU (its SFT's, or a Vanilla RL arm's) is
-# the last GPU starts after it, so that no other work blurs the timings (that sweep's arms start up to ~1.5 minutes
-# later). With GATE=pipeline the gate's GPU tests wait for it too.
+# GPU tests: the decoder every arm uses has its GPU tests run for the record (RECORD_GPU_TESTS below), and so have
+# the gate's variants (GPU_TESTS), with either GATE, in the background on the last GPU from the job's start (before
+# the conversion), while the data and SFTs are made; only with GATE=pipeline do the variants' tests gate anything.
+# KERNEL_BENCH=1 first times the decode attention kernels (benchmarks/decode_attention_kernels.py, with
+# KERNEL_BENCH_ARGS, e.g. "--finished 0.6 0.9") there, under KERNEL_BENCH_S (120) seconds (kernel_bench below); a
+# sweep whose first GPU (its SFT's, or a Vanilla RL arm's) is the last GPU starts after it, so that no other work
+# blurs the timings (that sweep's arms start up to ~1.5 minutes later). The GPU tests wait for it too.
 #
 # Settings for a CPU check of the plumbing: MODEL=tiny STEPS=2 TEST_FREQ=1, OVERRIDES (added to every arm's, e.g.
 # shorter answers), SFT_OVERRIDES (the sweep's), REPO (the tree, /tmp/repo), WORK (where results go, /tmp) and
@@ -178,8 +178,9 @@ gpu_test() {
 # KERNEL_BENCH_S (120) seconds; out/decode_attention.*.
 kernel_bench() {
     { [ "${KERNEL_BENCH:-0}" = 1 ] && [ "$N" -gt 0 ]; } || return 0
+    # shellcheck disable=SC2086
     CUDA_VISIBLE_DEVICES=$(( N - 1 )) timeout "${KERNEL_BENCH_S:-120}" python benchmarks/decode_attention_kernels.py \
-        --json "$O/decode_attention.jsonl" > "$O/decode_attention.log" 2>&1 < /dev/null
+        --json "$O/decode_attention.jsonl" ${KERNEL_BENCH_ARGS:-} > "$O/decode_attention.log" 2>&1 < /dev/null
     p "the decode attention kernels' benchmark rc=$? (124: stopped at KERNEL_BENCH_S; out/decode_attention.*)"
 }
 # The background GPU work starts at once, before the conversion, on the last GPU: the kernels' benchmark (if asked
@@ -191,11 +192,8 @@ if [ "$N" -gt 0 ]; then
     (
         kernel_bench
         touch "$BENCH_DONE"
-        variant_tests=""
-        if [ "$GATE" = pipeline ] && grep -q " wm " <<< "$CHOSEN"; then
-            variant_tests=$(for override in $(grep -v '^#' "$GATE_VARIANTS" | cut -s -d' ' -f2-); do
-                                echo "${GPU_TESTS[$override]:-}"; done)
-        fi
+        variant_tests=$(for override in $(grep -v '^#' "$GATE_VARIANTS" | cut -s -d' ' -f2-); do
+                            echo "${GPU_TESTS[$override]:-}"; done | sort -u)
         for file in $( (echo "$variant_tests"; tr ' ' '\n' <<< "$RECORD_GPU_TESTS") | sort -u); do
             gpu_test "$file"
         done
@@ -203,6 +201,13 @@ if [ "$N" -gt 0 ]; then
             log="$O/gate_gpu_test_$(basename "$file" .py).log"
             p "the GPU tests of $file (the decoder every arm uses; they gate nothing) $(cat "${log%.log}.result"): $(tail -n 1 "$log")"
         done
+        if [ "$GATE" = off ]; then  # (with the gate, its own lines say how its variants' tests went)
+            for file in $variant_tests; do
+                [[ " $RECORD_GPU_TESTS " == *" $file "* ]] && continue
+                log="$O/gate_gpu_test_$(basename "$file" .py).log"
+                p "the GPU tests of $file (a gate variant's; no gate here, for the record) $(cat "${log%.log}.result"): $(tail -n 1 "$log")"
+            done
+        fi
     ) &
     GPU_TESTS_PID=$!
 fi
