@@ -164,10 +164,13 @@ declare -A GPU_TESTS=(
 # projections): its GPU tests run for the record (the progress line says whether they passed); they gate nothing.
 RECORD_GPU_TESTS="tests/generators/test_static_decode.py tests/generators/test_shared_prefix_decode.py
     tests/generators/test_fused_projections.py"
-# gpu_test FILE: its GPU tests, once, on the last GPU; passed or failed into out/gate_gpu_test_<file>.result.
+# gpu_test FILE: its GPU tests, once, on the last GPU; passed or failed (also a file the tree lacks) into
+# out/gate_gpu_test_<file>.result.
 gpu_test() {
     local log="$O/gate_gpu_test_$(basename "$1" .py).log" result=failed
-    if CUDA_VISIBLE_DEVICES=$(( N - 1 )) python -m pytest -q -p no:cacheprovider -k gpu "$1" > "$log" 2>&1 < /dev/null \
+    if [ ! -f "$1" ]; then
+        echo "$1: no such test file in this tree" > "$log"
+    elif CUDA_VISIBLE_DEVICES=$(( N - 1 )) python -m pytest -q -p no:cacheprovider -k gpu "$1" > "$log" 2>&1 < /dev/null \
             && grep -q " passed" "$log" && ! grep -q -e " failed" -e " error" "$log"; then
         result=passed
     fi
