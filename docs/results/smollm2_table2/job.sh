@@ -16,7 +16,8 @@
 # Vanilla RL with seed 0, then seeds 1 and 2 of SPA, then of format-only, then of Vanilla RL. The first
 # ARMS_PER_GPU (2) x GPUs of them run (ARMS="name ..." picks others, e.g. the rest in a later lease); arm i goes to
 # GPU i mod GPUs, or to the GPU a name in ARMS gives it after an @ (ARMS="spa_s0 format_s0@1 format_s1@1": SPA alone
-# on GPU 0, the two format-only seeds side by side on GPU 1). Three sweeps of benchmarks/smollm2_sweep.sh run side by side, one per start:
+# on GPU 0, the two format-only seeds side by side on GPU 1). Three sweeps of benchmarks/smollm2_sweep.sh run side by
+# side, one per start:
 #   wm    random-action data, world-model SFT (2 epochs) on the first GPU of its arms, then its arms (SPA);
 #   nowm  the same data without state blocks, SFT on the first GPU of its arms, then its arms (format-only);
 #   base  no data, no SFT: its arms start at once from the untouched model (Vanilla RL).
@@ -41,8 +42,8 @@
 # (below: generator.reuse_prefix_cache=true, ...) runs only after that code's GPU test passed here
 # (out/gate_gpu_test_<file>.log); the tests run in the background on the last GPU from the job's start, while the
 # data and the SFTs are made, with those of the decoder every arm uses for the record. A failed variant is left out;
-# no wm sweep among the arms, no SFT checkpoint or no timing of the baseline: every arm with the baseline. Every arm, the Vanilla RL ones too, then
-# starts after both SFTs and the timing (~1 minute a variant). off: no timing, every arm with the baseline (the
+# no wm sweep among the arms, no SFT checkpoint or no timing of the baseline: every arm with the baseline. Every arm,
+# the Vanilla RL ones too, then starts after both SFTs and the timing (~1 minute a variant). off: no timing, every arm with the baseline (the
 # config's defaults) as soon as its sweep is ready (Vanilla RL at once).
 #
 # Relay (docs/relay.md): runs longer than a lease, carried from lease to lease as LoRA adapters. DEADLINE (epoch
@@ -187,9 +188,9 @@ kernel_bench() {
     p "the decode attention kernels' benchmark rc=$? (124: stopped at KERNEL_BENCH_S; out/decode_attention.*)"
 }
 # The background GPU work starts at once, before the conversion, on the last GPU: the kernels' benchmark (if asked
-# for; BENCH_DONE once it has ended), then the GPU tests one file after the other (the gate's variants' with
-# GATE=pipeline and a wm sweep, the decoder's for the record), while the data and the SFTs are made (the wm sweep's
-# SFT runs on GPU 0), so that the gate need not wait for them (lease 5: ~45 s).
+# for; BENCH_DONE once it has ended), then the GPU tests one file after the other (the gate's variants' and the
+# decoder's), while the data and the SFTs are made (the wm sweep's SFT runs on GPU 0), so that the gate need not
+# wait for them (lease 5: ~45 s).
 GPU_TESTS_PID=""; BENCH_DONE="$O/kernel_bench.done"; rm -f "$BENCH_DONE"
 if [ "$N" -gt 0 ]; then
     (
