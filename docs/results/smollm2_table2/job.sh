@@ -43,8 +43,8 @@
 # (out/gate_gpu_test_<file>.log); the tests run in the background on the last GPU from the job's start, while the
 # data and the SFTs are made, with those of the decoder every arm uses for the record. A failed variant is left out;
 # no wm sweep among the arms, no SFT checkpoint or no timing of the baseline: every arm with the baseline. Every arm,
-# the Vanilla RL ones too, then starts after both SFTs and the timing (~1 minute a variant). off: no timing, every arm with the baseline (the
-# config's defaults) as soon as its sweep is ready (Vanilla RL at once).
+# the Vanilla RL ones too, then starts after both SFTs and the timing (~1 minute a variant). off: no timing, every
+# arm with the baseline (the config's defaults) as soon as its sweep is ready (Vanilla RL at once).
 #
 # Relay (docs/relay.md): runs longer than a lease, carried from lease to lease as LoRA adapters. DEADLINE (epoch
 # seconds by which every arm must have stopped with a checkpoint) turns it on; it needs GATE=off (a run resumes only
