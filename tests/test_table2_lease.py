@@ -90,7 +90,16 @@ def study300_arms() -> list[tuple[str, str, list[str]]]:
 def test_the_300_step_study_runs_the_first_studys_four_settings_from_the_world_model_sft_in_base_prompts():
     first = [line.split() for line in (HERE.parent / "smollm2_study_h200x4" / "arms.txt").read_text().splitlines()]
     assert [(name, start, overrides) for name, start, *overrides in [[line[0], "wm", "ctx_manager.mode=base",
-                                                                     *line[1:]] for line in first]] == study300_arms()
+                                                                     *line[1:]] for line in first]] == study300_arms()[:4]
+
+
+def test_the_studys_second_lease_runs_the_two_learning_settings_from_the_format_only_sft_and_with_seed_1():
+    lease1 = {name: overrides for name, _, overrides in study300_arms()[:4]}
+    lease2 = {name: (start, overrides) for name, start, overrides in study300_arms()[4:]}
+    for setting, control in [("gae_kl_3e-5", "format_kl_3e-5"), ("grpo_guard", "format_grpo_guard")]:
+        assert lease2[control] == ("nowm", [*lease1[setting], "trainer.seed=0", "generator.seed=0"])
+        assert lease2[f"{setting}_s1"] == ("wm", [*lease1[setting], "trainer.seed=1", "generator.seed=1"])
+    assert len(lease2) == 4
 
 
 @pytest.mark.parametrize("name, start, overrides", study300_arms(), ids=[a[0] for a in study300_arms()])
@@ -109,6 +118,15 @@ def test_the_300_step_studys_command_puts_two_arms_a_gpu_after_one_sft(tmp_path)
                       ARMS="gae_warmup@0 gae_kl_3e-5@0 grpo_guard@1 lora_r32@1", PATH=with_gpus(tmp_path, 2))
     assert (work / "table2_wm" / "logs" / "gpu_ids").read_text().strip() == "0 0 1 1"
     assert not (work / "table2_nowm").exists() and not (work / "table2_base").exists()
+
+
+def test_the_300_step_studys_second_lease_puts_each_sft_and_its_two_arms_on_a_gpu(tmp_path):
+    """Its README's command: the world-model arms on GPU 0, the format-only arms on GPU 1, each after its SFT."""
+    work, _ = run_job(tmp_path, GATE="off", ARMS_FILE=str(HERE.parent / "smollm2_study300" / "arms.txt"),
+                      ARMS="gae_kl_3e-5_s1@0 grpo_guard_s1@0 format_kl_3e-5@1 format_grpo_guard@1",
+                      PATH=with_gpus(tmp_path, 2))
+    assert (work / "table2_wm" / "logs" / "gpu_ids").read_text().strip() == "0 0"
+    assert (work / "table2_nowm" / "logs" / "gpu_ids").read_text().strip() == "1 1"
 
 def test_a_sweep_with_wait_for_is_ready_after_its_stages_then_adds_the_gate_after_each_arms_overrides(tmp_path):
     out, gate = tmp_path / "sweep", tmp_path / "gate.txt"
