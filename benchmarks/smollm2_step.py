@@ -138,9 +138,10 @@ class TimedGenerator:
         if stats is not None:
             row.update(prefill_tokens=stats.prefill_tokens, reused_tokens=stats.reused_tokens,
                        copied_tokens=stats.copied_tokens, decode_steps=stats.decode_steps,
-                       compact_steps=stats.compact_steps, capture_s=round(stats.capture_s, 3))
+                       compact_steps=stats.compact_steps, compact_graph_steps=stats.compact_graph_steps,
+                       capture_s=round(stats.capture_s, 3))
             stats.prefill_tokens = stats.reused_tokens = stats.copied_tokens = stats.decode_steps = 0
-            stats.compact_steps = 0
+            stats.compact_steps = stats.compact_graph_steps = 0
             stats.capture_s = 0.0
         if self.phases is not None:
             row.update(self.phases.take())

@@ -419,6 +419,7 @@ class DecodeStats:
     copied_tokens: int = 0  # prompt positions not prefilled: copied from an identical prompt's row (split_kv_shared)
     decode_steps: int = 0  # one-token forward passes of the decode batch (compact_steps of them on its running rows)
     compact_steps: int = 0  # decode steps run on the compact state of the running rows only (compact_rows)
+    compact_graph_steps: int = 0  # of those, replays of the compact state's CUDA graph (on GPU: every one)
     capture_s: float = 0.0  # seconds spent capturing CUDA graphs
     states_built: int = 0  # decode states built (on GPU a CUDA graph each); keep_graphs reuses them across calls
 
@@ -792,6 +793,7 @@ class StaticDecoder:
             else:
                 logits = compact.step(next_tokens, step, done)
                 self.stats.compact_steps += 1
+                self.stats.compact_graph_steps += compact.compact.graph is not None
             self.stats.decode_steps += 1
         if compact is not None:
             compact.put_back()

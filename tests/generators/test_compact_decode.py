@@ -62,7 +62,7 @@ def test_compacted_calls_sample_what_the_full_batch_samples(ending_model, tiny_t
         compacted_steps.append(compact._static.stats.compact_steps)
     stats, full_stats = compact._static.stats, full._static.stats
     assert 0 < compacted_steps[0] < compacted_steps[1] < stats.decode_steps == full_stats.decode_steps
-    assert full_stats.compact_steps == 0
+    assert full_stats.compact_steps == stats.compact_graph_steps == 0  # (no CUDA graphs on CPU)
     built = stats.states_built - full_stats.states_built  # the compact state: kept, or built by each call using it
     assert built == 1 if keep_graphs else built >= 1
 
@@ -191,10 +191,13 @@ def test_compacted_cuda_graphs_sample_what_the_full_batch_samples_in_float32_on_
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
 def test_compacted_turns_with_the_reused_prefix_cache_on_gpu(ending_model, tiny_tokenizer):
     """Turn by turn over the kept buffer with CUDA graphs, greedy, in float32 on a GPU: the turns and the reused
-    tokens of the decoder without compaction, so the keys copied back by the device are in their rows."""
+    tokens of the decoder without compaction, so the keys copied back by the device are in their rows. Every compact
+    step replayed the compact state's graph: counted, since the state itself is gone by the end (on GPU the cache
+    lengths round up to PROMPT_BUCKET, so turn 3 regrows the kept buffer, which drops every state; the later turns
+    have too few rows to compact)."""
     model = copy.deepcopy(ending_model).to("cuda")
     full, full_decoder = by_call(model, tiny_tokenizer, GREEDY, compact_rows=0)
     compact, decoder = by_call(model, tiny_tokenizer, GREEDY, compact_rows=3)
     assert compact.turns == full.turns
     assert decoder.stats.compact_steps > 0 and decoder.stats.reused_tokens == full_decoder.stats.reused_tokens > 0
-    assert decoder._compact.graph is not None
+    assert decoder.stats.compact_graph_steps == decoder.stats.compact_steps
