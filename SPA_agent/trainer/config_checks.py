@@ -39,7 +39,7 @@ NUMBERS = (
     ("algorithm.gamma", 0, 1, False), ("algorithm.lam", 0, 1, False), ("algorithm.high_level_gamma", 0, 1, False),
     ("algorithm.kl_ctrl.kl_coef", 0, None, False),
     ("trainer.diagnostics.mi_freq", 0, None, True), ("trainer.diagnostics.mi_samples", 0, None, True),
-    ("trainer.max_wall_s", 0, None, False),
+    ("trainer.max_wall_s", 0, None, False), ("trainer.cuda_memory_fraction", 0, 1, False),
     ("actor_rollout_ref.actor.sft_aux_coef", 0, None, False), ("actor_rollout_ref.actor.sft_aux_rows", 1, None, True),
     ("generator.prefill_chunk_tokens", 1, None, True), ("generator.compact_decode_rows", 0, None, True),
 )
@@ -63,11 +63,23 @@ def check_config(cfg: DictConfig) -> None:
             raise ValueError("generator.reuse_prefix_cache=true turn by turn keeps each chat's keys in the kept KV "
                              "buffer: add actor_rollout_ref.rollout.keep_decode_graphs=true (or "
                              "agent_proxy.pipeline_turns=true), or drop it: as set it would do nothing")
+    _check_release_after_validation(cfg)
     _check_backend(cfg)
     _check_sft_aux(cfg)
     _check_batch_sizes(cfg)
     _check_algorithm(cfg)
     _check_trainer(cfg)
+
+
+def _check_release_after_validation(cfg: DictConfig) -> None:
+    """It frees the local backend's hf generator's kept decode buffer: without one it would do nothing."""
+    key = "actor_rollout_ref.rollout.release_after_validation"
+    check_choice(cfg, key, (True, False))
+    if OmegaConf.select(cfg, key) and not (cfg.trainer.backend == "local" and cfg.generator.name == "hf"
+                                           and cfg.generator.keep_decode_graphs):
+        raise ValueError(f"{key}=true frees the kept KV buffer of generator=hf with "
+                         "actor_rollout_ref.rollout.keep_decode_graphs=true (trainer.backend=local); without one it "
+                         "would do nothing: drop it")
 
 
 def _check_types(cfg: DictConfig) -> None:
@@ -208,6 +220,10 @@ def _check_trainer(cfg: DictConfig) -> None:
     merged = trainer.get("save_merged_lora", True)
     if not isinstance(merged, bool):
         raise ValueError(f"trainer.save_merged_lora must be True or False, got {merged!r}")
+    fraction = trainer.get("cuda_memory_fraction")
+    if fraction is not None and (fraction == 0 or trainer.backend != "local"):
+        raise ValueError("trainer.cuda_memory_fraction is the local backend's share of its GPU's memory, above 0 and "
+                         f"at most 1, or null for no limit; got {fraction!r} with trainer.backend={trainer.backend}")
     if not merged and trainer.backend != "local":
         raise ValueError("trainer.save_merged_lora=False is a setting of the local backend; the verl backend always "
                          "saves the merged weights (hf_model)")

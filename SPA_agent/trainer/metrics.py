@@ -12,27 +12,70 @@ from verl import DataProto
 from verl.utils import torch_functional as verl_F
 
 
+class CudaMemory:
+    """The caching allocator's bytes on a CUDA device: the peak of live tensors since the last `reset`, and what
+    the process holds (live tensors and its cache, which no other process on the GPU can use)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def reset(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def reserved(self) -> int:
+        return torch.cuda.memory_reserved(self.device)
+
+
 class PhaseTimer:
     """Wall-clock seconds per named phase, reported as `timing_s/<phase>`; `report(phase, seconds)`, when given,
-    is called as each phase ends (PPO prints it to a redirected log, so a long step shows its progress)."""
+    is called as each phase ends (PPO prints it to a redirected log, so a long step shows its progress).
 
-    def __init__(self, report: Callable[[str, float], None] | None = None) -> None:
+    With `memory` (a `CudaMemory`), also the peak of live tensors during each phase, `memory_gb/<phase>` (an
+    enclosing phase's includes its inner phases'), and the bytes the process holds when the metrics are read,
+    `memory_gb/reserved`: what decides whether runs sharing a GPU fit on it."""
+
+    def __init__(self, report: Callable[[str, float], None] | None = None, memory: CudaMemory | None = None) -> None:
         self.seconds: dict[str, float] = {}
         self.report = report
+        self.memory = memory
+        self.peaks: dict[str, int] = {}
+        self._open_peaks: list[int] = []  # the peak so far of each open phase, innermost last
 
     @contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
         start = time.perf_counter()
+        if self.memory is not None:  # the allocator's peak so far is the enclosing phase's; this one's starts
+            if self._open_peaks:
+                self._open_peaks[-1] = max(self._open_peaks[-1], self.memory.peak())
+            self._open_peaks.append(0)
+            self.memory.reset()
         try:
             yield
         finally:
             seconds = time.perf_counter() - start
             self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+            if self.memory is not None:
+                self._close_peak(phase)
             if self.report is not None:
                 self.report(phase, seconds)
 
+    def _close_peak(self, phase: str) -> None:
+        """The phase's peak: the allocator's since the last reset (its own or an inner phase's) and its running
+        peak (its inner phases', and what it held before each of their resets). The enclosing phase's takes it."""
+        peak = max(self.memory.peak(), self._open_peaks.pop())
+        self.peaks[phase] = max(self.peaks.get(phase, 0), peak)
+        if self._open_peaks:
+            self._open_peaks[-1] = max(self._open_peaks[-1], peak)
+
     def metrics(self) -> dict[str, float]:
-        return {f"timing_s/{phase}": seconds for phase, seconds in self.seconds.items()}
+        metrics = {f"timing_s/{phase}": seconds for phase, seconds in self.seconds.items()}
+        if self.memory is not None:
+            metrics.update({f"memory_gb/{phase}": peak / 2**30 for phase, peak in self.peaks.items()})
+            metrics["memory_gb/reserved"] = self.memory.reserved() / 2**30
+        return metrics
 
 
 @contextmanager

@@ -1,6 +1,7 @@
 """The PPO driver: RAGEN's agent trainer loop (spec §10.3) over any backend of `backend.WorkerGroup`.
 
-One step is a list of named, timed phases (`timing_s/<phase>`):
+One step is a list of named, timed phases (`timing_s/<phase>`; with the local backend on a GPU also each phase's
+peak memory, `memory_gb/<phase>`, and the memory the process holds, `memory_gb/reserved`):
 
     gen            rollout through LLMAgentProxy (env_groups × group_size trajectories, up to max_turn turns)
     filter         StarPO-S: keep the groups with the most spread-out scores (then, with
@@ -37,7 +38,14 @@ from SPA_agent.selfplay.worldmodel import worldmodel_accuracy
 from SPA_agent.trainer import algos
 from SPA_agent.trainer.backend import WorkerGroup
 from SPA_agent.trainer.diagnostics import Diagnostics
-from SPA_agent.trainer.metrics import FullCollections, PhaseTimer, data_metrics, mean_metrics, prefixed
+from SPA_agent.trainer.metrics import (
+    CudaMemory,
+    FullCollections,
+    PhaseTimer,
+    data_metrics,
+    mean_metrics,
+    prefixed,
+)
 
 
 class WallTimeReached(Exception):
@@ -75,7 +83,8 @@ class PPOTrainer:
             self.logger.log(self.validate(), step=0)
         steps = range(self.global_step + 1, self.total_steps + 1)
         for step in progress_bar(steps, desc="ppo", initial=self.global_step, total=self.total_steps, lines=False):
-            timer = PhaseTimer(report=lambda phase, seconds, step=step: _report_phase(step, phase, seconds))
+            timer = PhaseTimer(report=lambda phase, seconds, step=step: _report_phase(step, phase, seconds),
+                               memory=_cuda_memory(self.backend))
             with timer("step"), FullCollections() as collections:
                 metrics = self.train_step(step, timer)
                 last = step == self.total_steps
@@ -185,6 +194,8 @@ class PPOTrainer:
             if self.proxy.ctx.mode == "add_worldmodel":
                 metrics.update(worldmodel_accuracy(rollout.states))
             runs.append(metrics)
+        if self.cfg.actor_rollout_ref.rollout.get("release_after_validation", False):
+            self.backend.generator.release_decode_state()
         return prefixed("val-env", mean_metrics(runs))
 
     def _rollout_metrics(self, rollout) -> dict[str, float]:
@@ -244,6 +255,13 @@ def _check_groups_are_consecutive(batch: DataProto, group_size: int) -> None:
     blocks = group_ids.reshape(-1, group_size)
     if not (blocks == blocks[:, :1]).all():
         raise ValueError("rollout rows are not ordered by group (group_size consecutive rows per group)")
+
+
+def _cuda_memory(backend: WorkerGroup) -> CudaMemory | None:
+    """The memory of the backend's GPU where it runs in this process (the local backend on CUDA); verl's workers
+    are other processes."""
+    device = getattr(backend, "device", None)
+    return CudaMemory(device) if isinstance(device, torch.device) and device.type == "cuda" else None
 
 
 def _generator_state(backend: WorkerGroup) -> dict | None:

@@ -105,6 +105,8 @@ class LocalBackend:
         self.device = resolve_device(cfg.trainer.device)
         if self.device.type == "cuda":
             avoid_cudnn_attention()
+            if (fraction := cfg.trainer.get("cuda_memory_fraction")) is not None:
+                torch.cuda.set_per_process_memory_fraction(float(fraction), self.device)
         arr = cfg.actor_rollout_ref
         self.model_path = resolve_model_path(arr.model.path)
         total_steps = cfg.trainer.total_training_steps
