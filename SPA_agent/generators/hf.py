@@ -287,12 +287,6 @@ class HFGenerator:
             self._static.release()  # give the KV buffers back (the PPO actor trains on the same device)
         return results
 
-    def release_decode_state(self) -> None:
-        """Free the static decoder's KV buffers and CUDA graphs; its next call builds them again (a PPO run frees
-        validation's larger buffer: actor_rollout_ref.rollout.release_after_validation)."""
-        if self._static is not None:
-            self._static.release()
-
     @property
     def can_serve(self) -> bool:
         """Whether `serve` runs (pipelined turns need the static decoder)."""

@@ -63,23 +63,11 @@ def check_config(cfg: DictConfig) -> None:
             raise ValueError("generator.reuse_prefix_cache=true turn by turn keeps each chat's keys in the kept KV "
                              "buffer: add actor_rollout_ref.rollout.keep_decode_graphs=true (or "
                              "agent_proxy.pipeline_turns=true), or drop it: as set it would do nothing")
-    _check_release_after_validation(cfg)
     _check_backend(cfg)
     _check_sft_aux(cfg)
     _check_batch_sizes(cfg)
     _check_algorithm(cfg)
     _check_trainer(cfg)
-
-
-def _check_release_after_validation(cfg: DictConfig) -> None:
-    """It frees the local backend's hf generator's kept decode buffer: without one it would do nothing."""
-    key = "actor_rollout_ref.rollout.release_after_validation"
-    check_choice(cfg, key, (True, False))
-    if OmegaConf.select(cfg, key) and not (cfg.trainer.backend == "local" and cfg.generator.name == "hf"
-                                           and cfg.generator.keep_decode_graphs):
-        raise ValueError(f"{key}=true frees the kept KV buffer of generator=hf with "
-                         "actor_rollout_ref.rollout.keep_decode_graphs=true (trainer.backend=local); without one it "
-                         "would do nothing: drop it")
 
 
 def _check_types(cfg: DictConfig) -> None:

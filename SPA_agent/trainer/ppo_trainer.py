@@ -194,8 +194,6 @@ class PPOTrainer:
             if self.proxy.ctx.mode == "add_worldmodel":
                 metrics.update(worldmodel_accuracy(rollout.states))
             runs.append(metrics)
-        if self.cfg.actor_rollout_ref.rollout.get("release_after_validation", False):
-            self.backend.generator.release_decode_state()
         return prefixed("val-env", mean_metrics(runs))
 
     def _rollout_metrics(self, rollout) -> dict[str, float]:
