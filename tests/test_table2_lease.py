@@ -98,8 +98,9 @@ def test_the_studys_second_lease_runs_the_two_learning_settings_from_the_format_
     lease2 = {name: (start, overrides) for name, start, overrides in study300_arms()[4:]}
     for setting, control in [("gae_kl_3e-5", "format_kl_3e-5"), ("grpo_guard", "format_grpo_guard")]:
         assert lease2[control] == ("nowm", [*lease1[setting], "trainer.seed=0", "generator.seed=0"])
+        assert lease2[f"{control}_s1"] == ("nowm", [*lease1[setting], "trainer.seed=1", "generator.seed=1"])
         assert lease2[f"{setting}_s1"] == ("wm", [*lease1[setting], "trainer.seed=1", "generator.seed=1"])
-    assert len(lease2) == 4
+    assert len(lease2) == 6
 
 
 @pytest.mark.parametrize("name, start, overrides", study300_arms(), ids=[a[0] for a in study300_arms()])
@@ -120,13 +121,23 @@ def test_the_300_step_studys_command_puts_two_arms_a_gpu_after_one_sft(tmp_path)
     assert not (work / "table2_nowm").exists() and not (work / "table2_base").exists()
 
 
-def test_the_300_step_studys_second_lease_puts_each_sft_and_its_two_arms_on_a_gpu(tmp_path):
-    """Its README's command: the world-model arms on GPU 0, the format-only arms on GPU 1, each after its SFT."""
+def test_the_300_step_studys_second_lease_puts_three_arms_a_gpu_each_with_its_share(tmp_path):
+    """Its README's command: the world-model SFT on GPU 0, the format-only SFT on GPU 1, three arms on each GPU,
+    every arm with the sharing overrides (which compose and pass the PPO checks)."""
+    readme = (HERE.parent / "smollm2_study300" / "README.md").read_text()
+    command = readme[readme.index("## Lease 2"):]
+    overrides = re.search(r'OVERRIDES="([^"]+)"', command).group(1)
+    arms = re.search(r'ARMS="([^"]+)"', command).group(1)
     work, _ = run_job(tmp_path, GATE="off", ARMS_FILE=str(HERE.parent / "smollm2_study300" / "arms.txt"),
-                      ARMS="gae_kl_3e-5_s1@0 grpo_guard_s1@0 format_kl_3e-5@1 format_grpo_guard@1",
-                      PATH=with_gpus(tmp_path, 2))
+                      ARMS=arms, OVERRIDES=overrides, PATH=with_gpus(tmp_path, 2))
     assert (work / "table2_wm" / "logs" / "gpu_ids").read_text().strip() == "0 0"
-    assert (work / "table2_nowm" / "logs" / "gpu_ids").read_text().strip() == "1 1"
+    assert (work / "table2_nowm" / "logs" / "gpu_ids").read_text().strip() == "1 1 0 1"
+    assert [a.split("@")[1] for a in arms.split()].count("0") == 3 and len(arms.split()) == 6
+    settings = (work / "table2_nowm" / "logs" / "settings").read_text()
+    assert all(line.endswith(overrides) for line in settings.splitlines() if line)
+    cfg = compose("_2_sokoban", ["model=smollm2-135m", *SWEEP, *study300_arms()[4][2], *overrides.split()])
+    check_config(cfg)
+    assert cfg.trainer.cuda_memory_fraction * 3 < 1 and cfg.generator.batch_size == 256  # validation: 2 x 256 rows
 
 def test_a_sweep_with_wait_for_is_ready_after_its_stages_then_adds_the_gate_after_each_arms_overrides(tmp_path):
     out, gate = tmp_path / "sweep", tmp_path / "gate.txt"
@@ -158,6 +169,7 @@ SWEEP_STUB = """#!/usr/bin/env bash
 mkdir -p "$OUT/logs"
 [ "$START" = "${FAIL:-}" ] && exit 3
 echo "$GPU_IDS" > "$OUT/logs/gpu_ids"
+printf '%s' "$SETTINGS" > "$OUT/logs/settings"
 if [ -n "${BENCH_MARK:-}" ]; then  # whether the kernels' benchmark had ended when this sweep started
     if [ -e "$BENCH_MARK" ]; then echo after; else echo before; fi > "$OUT/logs/started_bench"
 fi
