@@ -138,6 +138,7 @@ def test_the_300_step_studys_second_lease_puts_three_arms_a_gpu_each_with_its_sh
     cfg = compose("_2_sokoban", ["model=smollm2-135m", *SWEEP, *study300_arms()[4][2], *overrides.split()])
     check_config(cfg)
     assert cfg.trainer.cuda_memory_fraction * 3 < 1 and cfg.generator.batch_size == 256  # validation: 2 x 256 rows
+    assert cfg.generator.max_batch_tokens is None
 
 def test_a_sweep_with_wait_for_is_ready_after_its_stages_then_adds_the_gate_after_each_arms_overrides(tmp_path):
     out, gate = tmp_path / "sweep", tmp_path / "gate.txt"
