@@ -29,7 +29,7 @@
 # Vanilla RL 52 (24.7 s: its samples run to the cap). One arm alone takes ~9.4 s a step. On nvidia-h200-x2 four arms
 # run (spa_s0 format_s0 vanilla_s0 spa_s1), on nvidia-h200-x4 eight. Two a GPU, not three: in lease 7 a third arm
 # on one H200 ran out of its 143 GiB at step 151 (the two others held 125 GiB after; lease 1's three, at ~50-140
-# steps, had fit).
+# steps, had fit). Three a GPU need the sharing OVERRIDES of docs/results/smollm2_study300/README.md (lease 2).
 #
 # GATE: pipeline (default) or off. With pipeline, the sweeps wait, after their SFTs, for $WORK/gate.txt
 # (smollm2_sweep.sh's WAIT_FOR); once every sweep is ready (or has exited), the job times 3 PPO steps of the SPA arm
