@@ -49,6 +49,22 @@ def test_panels_are_those_some_arm_logs(tmp_path):
                       "answer-span entropy", "KL to the reference model", "seconds a step"]  # no critic
 
 
+def test_memory_panels_where_an_arm_logs_them(tmp_path):
+    """Runs on a GPU log each step's peak memory and what the process held (memory_gb/*): two panels after the
+    step's seconds."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import study_curves
+
+    write_arm(tmp_path, "gpu_arm", 0.3, 26, critic=True)
+    path = tmp_path / "gpu_arm" / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()[:-1]]
+    for record in records[1:]:
+        record.update({"memory_gb/step": 38.5, "memory_gb/reserved": 41.0})
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    titles = [title for _, title in study_curves.panels(study_curves.read_arms(tmp_path))]
+    assert titles[-3:] == ["seconds a step", "GPU memory: the step's peak, GiB", "GPU memory held, GiB"]
+
+
 def test_world_model_accuracy_panels_where_an_arm_logs_them(tmp_path):
     """An add_worldmodel arm logs its validation's world-model accuracy; the panels follow the fixed ones, once for
     all arms, and the arms without them (base prompts) are drawn beside it."""
