@@ -61,7 +61,7 @@ dominates decoding time for GQA models at large batch. Here:
   are, and attends with `split_kv` where the call uses `split_kv_shared` (its rows need not share a prefix). The
   sampler still draws on all B rows' logits each step (the compact rows' logits put into their rows, the other rows
   keeping finite stale ones, masked to padding): every random draw, and every sample, is the same (float32 on CPU:
-  tested). Turn by turn only (pipelined turns keep their rows busy); not yet measured on a GPU.
+  tested; on an H200 too, in its GPU tests). Turn by turn only (pipelined turns keep their rows busy); not yet timed.
 
 Supports decoder-only models whose attention layers call `past_key_values.update(key, value, layer_idx)` and
 dispatch through transformers' attention interface (Llama, Qwen2, Mistral, ...); not sliding-window layers.
