@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from SPA_agent.config import compose
 from SPA_agent.trainer.config_checks import check_config
+from SPA_agent.trainer.local_backend.backend import limit_gpu_share
 from SPA_agent.trainer.metrics import PhaseTimer
 
 GB = 2**30
@@ -73,3 +75,11 @@ def test_the_sharing_settings_are_checked(overrides, message):
 
 def test_a_share_of_the_gpu_passes_on_the_local_backend():
     check_config(compose("_2_sokoban", ["model=smollm2-135m", "trainer.cuda_memory_fraction=0.3"]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a share of a GPU needs a GPU")
+def test_a_share_of_the_gpu_applies_to_an_unindexed_cuda_device():
+    """`trainer.device=cuda` resolves to a device without an index, which torch's setter refused (lease 2)."""
+    limit_gpu_share(torch.device("cuda"), 0.3)
+    assert torch.cuda.get_per_process_memory_fraction(torch.cuda.current_device()) == pytest.approx(0.3)
+    limit_gpu_share(torch.device("cuda"), 1.0)

@@ -97,6 +97,13 @@ def _mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
     return {key: sum(row[key] for row in rows) / len(rows) for key in rows[0]} if rows else {}
 
 
+def limit_gpu_share(device: torch.device, fraction: float) -> None:
+    """Caps this process's allocator at `fraction` of `device`'s memory; `cuda` without an index means the current
+    GPU (torch's setter takes only an indexed device)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
+
+
 class LocalBackend:
     """The worker group of `trainer.backend=local` (see backend.WorkerGroup for the contract)."""
 
@@ -106,7 +113,7 @@ class LocalBackend:
         if self.device.type == "cuda":
             avoid_cudnn_attention()
             if (fraction := cfg.trainer.get("cuda_memory_fraction")) is not None:
-                torch.cuda.set_per_process_memory_fraction(float(fraction), self.device)
+                limit_gpu_share(self.device, float(fraction))
         arr = cfg.actor_rollout_ref
         self.model_path = resolve_model_path(arr.model.path)
         total_steps = cfg.trainer.total_training_steps
