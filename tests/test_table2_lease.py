@@ -95,12 +95,22 @@ def test_the_300_step_study_runs_the_first_studys_four_settings_from_the_world_m
 
 def test_the_studys_second_lease_runs_the_two_learning_settings_from_the_format_only_sft_and_with_seed_1():
     lease1 = {name: overrides for name, _, overrides in study300_arms()[:4]}
-    lease2 = {name: (start, overrides) for name, start, overrides in study300_arms()[4:]}
+    lease2 = {name: (start, overrides) for name, start, overrides in study300_arms()[4:10]}
     for setting, control in [("gae_kl_3e-5", "format_kl_3e-5"), ("grpo_guard", "format_grpo_guard")]:
         assert lease2[control] == ("nowm", [*lease1[setting], "trainer.seed=0", "generator.seed=0"])
         assert lease2[f"{control}_s1"] == ("nowm", [*lease1[setting], "trainer.seed=1", "generator.seed=1"])
         assert lease2[f"{setting}_s1"] == ("wm", [*lease1[setting], "trainer.seed=1", "generator.seed=1"])
     assert len(lease2) == 6
+
+
+def test_the_studys_third_lease_adds_seed_2_of_both_settings_from_both_sfts():
+    lease1 = {name: overrides for name, _, overrides in study300_arms()[:4]}
+    lease3 = {name: (start, overrides) for name, start, overrides in study300_arms()[10:]}
+    seed2 = ["trainer.seed=2", "generator.seed=2"]
+    assert lease3 == {"grpo_guard_s2": ("wm", [*lease1["grpo_guard"], *seed2]),
+                      "format_grpo_guard_s2": ("nowm", [*lease1["grpo_guard"], *seed2]),
+                      "gae_kl_3e-5_s2": ("wm", [*lease1["gae_kl_3e-5"], *seed2]),
+                      "format_kl_3e-5_s2": ("nowm", [*lease1["gae_kl_3e-5"], *seed2])}
 
 
 @pytest.mark.parametrize("name, start, overrides", study300_arms(), ids=[a[0] for a in study300_arms()])
@@ -121,17 +131,19 @@ def test_the_300_step_studys_command_puts_two_arms_a_gpu_after_one_sft(tmp_path)
     assert not (work / "table2_nowm").exists() and not (work / "table2_base").exists()
 
 
-def test_the_300_step_studys_second_lease_puts_three_arms_a_gpu_each_with_its_share(tmp_path):
-    """Its README's command: the world-model SFT on GPU 0, the format-only SFT on GPU 1, three arms on each GPU,
+@pytest.mark.parametrize("lease, wm_gpus, nowm_gpus", [("## Lease 2", "0 0", "1 1 0 1"), ("## Lease 3", "0 0 0", "1 1 1")])
+def test_the_300_step_studys_later_leases_put_three_arms_a_gpu_each_with_its_share(tmp_path, lease, wm_gpus,
+                                                                                    nowm_gpus):
+    """Their README's commands: the world-model SFT on GPU 0, the format-only SFT on GPU 1, three arms on each GPU,
     every arm with the sharing overrides (which compose and pass the PPO checks)."""
     readme = (HERE.parent / "smollm2_study300" / "README.md").read_text()
-    command = readme[readme.index("## Lease 2"):]
+    command = readme[readme.index(lease):]
     overrides = re.search(r'OVERRIDES="([^"]+)"', command).group(1)
     arms = re.search(r'ARMS="([^"]+)"', command).group(1)
     work, _ = run_job(tmp_path, GATE="off", ARMS_FILE=str(HERE.parent / "smollm2_study300" / "arms.txt"),
                       ARMS=arms, OVERRIDES=overrides, PATH=with_gpus(tmp_path, 2))
-    assert (work / "table2_wm" / "logs" / "gpu_ids").read_text().strip() == "0 0"
-    assert (work / "table2_nowm" / "logs" / "gpu_ids").read_text().strip() == "1 1 0 1"
+    assert (work / "table2_wm" / "logs" / "gpu_ids").read_text().strip() == wm_gpus
+    assert (work / "table2_nowm" / "logs" / "gpu_ids").read_text().strip() == nowm_gpus
     assert [a.split("@")[1] for a in arms.split()].count("0") == 3 and len(arms.split()) == 6
     settings = (work / "table2_nowm" / "logs" / "settings").read_text()
     assert all(line.endswith(overrides) for line in settings.splitlines() if line)
