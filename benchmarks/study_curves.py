@@ -122,6 +122,9 @@ def main() -> None:
                 bounds = [wilson(y, args.val_episodes) for y in ys]
                 ax.fill_between(steps, [b[0] for b in bounds], [b[1] for b in bounds], color=colours[name],
                                 alpha=0.12)
+        if key == "critic/vf_explained_var":  # returns that barely vary (no success yet) give any large negative
+            ax.set_ylim(max(ax.get_ylim()[0], -1.0), 1.0)
+            title += " (from −1)"
         ax.set_title(title)
         ax.set_xlabel("PPO step")
     axes[0].legend(fontsize=7)
