@@ -9,7 +9,9 @@ step), `global_step_<s>/{actor,critic}` checkpoints and `latest_checkpointed_ite
 same directory resumes from the latest checkpoint (`trainer.resume_mode=auto`) when its `run_identity.json`
 matches (same settings and starting model), and is refused otherwise; `trainer.resume_mode=disable` starts fresh.
 With `trainer.max_wall_s` the run stops with a checkpoint once that much training time has passed and exits with
-status 75 (EXIT_TO_BE_CONTINUED); the same command continues it.
+status 75 (EXIT_TO_BE_CONTINUED); the same command continues it. With `trainer.stop_after_uniform_scores` it
+validates, saves and exits with status 4 (EXIT_REWARD_SIGNAL_LOST) after that many steps in a row in which every
+trajectory scored the same.
 """
 
 from __future__ import annotations
@@ -48,12 +50,15 @@ RUN_DIR = TrainerDir.declare(
     owned=(LATEST_FILE, "config.yaml"),
     ignored=("trainer.resume_mode", "trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep", "model_path",
              "actor_rollout_ref.model.path", "critic.model.path", "system", "output_root", "data_gen", "evaluation",
-             "trainer.diagnostics", "trainer.max_wall_s", "trainer.save_merged_lora"),
+             "trainer.diagnostics", "trainer.max_wall_s", "trainer.save_merged_lora",
+             "trainer.stop_after_uniform_scores"),
     fresh_hint="pass trainer.resume_mode=disable")
 #: metrics of a step shown on its console line (trainer.logger contains console)
 CONSOLE_KEYS = ("critic/score/mean", "actor/pg_loss", "critic/vf_loss", "actor/entropy", "timing_s/step")
 #: exit status of a run stopped by trainer.max_wall_s (sysexits' EX_TEMPFAIL: not failed, to be run again)
 EXIT_TO_BE_CONTINUED = 75
+#: exit status of a run stopped by trainer.stop_after_uniform_scores (not to be run again as it is)
+EXIT_REWARD_SIGNAL_LOST = 4
 OOM_ADVICE = (
     "out of GPU memory. Lower ppo_max_token_len_per_gpu and log_prob_max_token_len_per_gpu (token budgets of the "
     "update and log-prob/value micro-batches; micro_batch_size_per_gpu with use_dynamic_bsz=False), "
@@ -158,7 +163,7 @@ def _copy_environment(cfg: DictConfig) -> None:
 
 @hydra_entry(CONFIG_DIR, config_name="_2_sokoban")
 def main(cfg: DictConfig) -> None:
-    from SPA_agent.trainer.ppo_trainer import WallTimeReached
+    from SPA_agent.trainer.ppo_trainer import RewardSignalLost, WallTimeReached
 
     quiet_library_progress()
     _copy_environment(cfg)
@@ -173,6 +178,9 @@ def main(cfg: DictConfig) -> None:
     except WallTimeReached as stop:
         print(f"{stop}; {resume_hint}", file=sys.stderr)
         sys.exit(EXIT_TO_BE_CONTINUED)
+    except RewardSignalLost as stop:
+        print(f"{stop}", file=sys.stderr)
+        sys.exit(EXIT_REWARD_SIGNAL_LOST)
     print(f"PPO finished: {output_dir}")
 
 

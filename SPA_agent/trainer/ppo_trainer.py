@@ -58,6 +58,25 @@ class WallTimeReached(Exception):
         self.step, self.total, self.seconds = step, total, seconds
 
 
+class RewardSignalLost(Exception):
+    """`trainer.stop_after_uniform_scores`: every trajectory of the last `streak` rollouts scored the same (`score`),
+    so the reward no longer tells one action from another (GRPO's advantages are all 0; docs/ppo.md's format
+    collapse, where every answer is malformed). The run stopped after `step` of `total` steps, validated and saved."""
+
+    def __init__(self, step: int, total: int, streak: int, score: float):
+        super().__init__(f"stopped after step {step} of {total}: every trajectory scored {score:g} in each of the last "
+                         f"{streak} steps (trainer.stop_after_uniform_scores), so no reward tells the actions apart; "
+                         "a checkpoint of that step is saved")
+        self.step, self.total, self.streak, self.score = step, total, streak, score
+
+
+def uniform_score(rm_scores: torch.Tensor) -> float | None:
+    """The one score every trajectory of a rollout got (token-level scores (B, T), summed per row), or None where
+    they differ (by more than float rounding)."""
+    scores = rm_scores.float().sum(-1)
+    return float(scores[0]) if bool((scores - scores[0]).abs().max() <= 1e-6) else None
+
+
 class PPOTrainer:
     """Owns the loop; the backend owns the models, the proxy owns the environments."""
 
@@ -71,14 +90,18 @@ class PPOTrainer:
         self.kl_ctrl = core_algos.get_kl_controller(cfg.algorithm.kl_ctrl)
         self.use_critic = algos.needs_critic(cfg.algorithm.adv_estimator)
         self.global_step = 0
+        self.uniform_streak = 0  # steps in a row whose rollout scored every trajectory the same (this call's)
 
     # ---------------------------------------------------------------- the loop
 
     def fit(self) -> None:
         """Train from the current (possibly resumed) step to trainer.total_training_steps; raise WallTimeReached
-        (after saving) at the end of the first step that ends past trainer.max_wall_s seconds of this call."""
+        (after saving) at the end of the first step that ends past trainer.max_wall_s seconds of this call, and
+        RewardSignalLost (after validating and saving, as at the last step) at the end of the trainer.
+        stop_after_uniform_scores-th step in a row whose rollout scored every trajectory the same."""
         trainer_cfg = self.cfg.trainer
         started, max_wall_s = time.monotonic(), trainer_cfg.get("max_wall_s")
+        max_uniform = trainer_cfg.get("stop_after_uniform_scores")
         if self.global_step == 0 and trainer_cfg.val_before_train and trainer_cfg.test_freq > 0:
             self.logger.log(self.validate(), step=0)
         steps = range(self.global_step + 1, self.total_steps + 1)
@@ -87,7 +110,8 @@ class PPOTrainer:
                                memory=_cuda_memory(self.backend))
             with timer("step"), FullCollections() as collections:
                 metrics = self.train_step(step, timer)
-                last = step == self.total_steps
+                signal_lost = max_uniform is not None and self.uniform_streak >= max_uniform
+                last = step == self.total_steps or signal_lost
                 if trainer_cfg.test_freq > 0 and (step % trainer_cfg.test_freq == 0 or last):
                     with timer("testing"):
                         metrics.update(self.validate())
@@ -99,6 +123,8 @@ class PPOTrainer:
             self.logger.log({**metrics, **timer.metrics(), "timing_s/gc_full": collections.seconds}, step=step)
             if out_of_time:
                 raise WallTimeReached(step, self.total_steps, time.monotonic() - started)
+            if signal_lost and step < self.total_steps:
+                raise RewardSignalLost(step, self.total_steps, self.uniform_streak, self.last_uniform_score)
 
     def train_step(self, step: int, timer: PhaseTimer) -> dict[str, float]:
         """One PPO iteration; returns its metrics (timings are added to `timer`)."""
@@ -106,6 +132,9 @@ class PPOTrainer:
             rollout = self.proxy.rollout(val=False)
         metrics = prefixed("train", self._rollout_metrics(rollout))
         metrics["rollout/first_seed"] = float(rollout.batch.non_tensor_batch["seeds"].min())
+        self.last_uniform_score = uniform_score(rollout.batch.batch["rm_scores"])
+        self.uniform_streak = self.uniform_streak + 1 if self.last_uniform_score is not None else 0
+        metrics["rollout/uniform_score_streak"] = float(self.uniform_streak)
         with timer("filter"):
             batch, filter_metrics = self.filter_batch(rollout.batch)
         metrics.update(filter_metrics)
