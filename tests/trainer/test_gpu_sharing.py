@@ -83,3 +83,14 @@ def test_a_share_of_the_gpu_applies_to_an_unindexed_cuda_device():
     limit_gpu_share(torch.device("cuda"), 0.3)
     assert torch.cuda.get_per_process_memory_fraction(torch.cuda.current_device()) == pytest.approx(0.3)
     limit_gpu_share(torch.device("cuda"), 1.0)
+
+
+def test_a_share_of_an_unindexed_cuda_device_is_set_on_the_current_gpu(monkeypatch):
+    """Torch's setter takes an index or an indexed device only: `cuda` (trainer.device=cuda) goes as the current
+    GPU's index, `cuda:1` as 1. (Records the calls: no GPU here; the test above runs the setter on one.)"""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda *args: calls.append(args))
+    limit_gpu_share(torch.device("cuda"), 0.3)
+    limit_gpu_share(torch.device("cuda", 1), 0.5)
+    assert calls == [(0.3, 0), (0.5, 1)]
