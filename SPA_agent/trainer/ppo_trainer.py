@@ -91,6 +91,7 @@ class PPOTrainer:
         self.use_critic = algos.needs_critic(cfg.algorithm.adv_estimator)
         self.global_step = 0
         self.uniform_streak = 0  # steps in a row whose rollout scored every trajectory the same (this call's)
+        self.last_uniform_score: float | None = None  # that score, at the last step
 
     # ---------------------------------------------------------------- the loop
 
