@@ -131,7 +131,8 @@ def test_the_300_step_studys_command_puts_two_arms_a_gpu_after_one_sft(tmp_path)
     assert not (work / "table2_nowm").exists() and not (work / "table2_base").exists()
 
 
-@pytest.mark.parametrize("lease, wm_gpus, nowm_gpus", [("## Lease 2", "0 0", "1 1 0 1"), ("## Lease 3", "0 1 0", "1 0 1")])
+@pytest.mark.parametrize("lease, wm_gpus, nowm_gpus",
+                         [("## Lease 2", "0 0", "1 1 0 1"), ("## Lease 3", "0 1 0", "1 0 1")])
 def test_the_300_step_studys_later_leases_put_three_arms_a_gpu_each_with_its_share(tmp_path, lease, wm_gpus,
                                                                                     nowm_gpus):
     """Their README's commands: the world-model SFT on GPU 0, the format-only SFT on GPU 1, three arms on each GPU,
