@@ -13,6 +13,10 @@ puzzles; the seeds' own values are printed beside it. Two columns: step 0 (the s
 number of PPO steps. Arms that have not validated at that step are left out of a row and named below the table.
 Where a row's arms log it (add_worldmodel prompts), the world model's accuracy before and after PPO: the share of
 turns whose observation is exactly the current state, and whose prediction is exactly the next one.
+
+--onset LEVEL adds each arm's onset: the first validation step from which its success stays at or above LEVEL up to
+its last validation (e.g. the SFT-only model's success + 0.05). Seeds of one setting rose ~75 steps apart in the
+300-step study, so a row compared at one step can measure when its seeds rose more than where they go.
 """
 
 from __future__ import annotations
@@ -82,16 +86,37 @@ def table(arms: dict[str, list[dict]], step: int, episodes: int) -> str:
     return "\n".join(lines)
 
 
+def onset(values: dict[int, float], level: float) -> int | None:
+    """The first validation step from which success stays at or above `level` to the last one; None if none."""
+    steps = sorted(values)
+    return next((step for i, step in enumerate(steps) if all(values[s] >= level for s in steps[i:])), None)
+
+
+def onsets(arms: dict[str, list[dict]], level: float) -> str:
+    success = f"val-env/{environment(arms)}/success"
+    lines = [f"| row | arm | onset: success ≥ {level:.3f} from | last validation |", "|---|---|---|---|"]
+    for row, names in rows_of(arms).items():
+        for name in names:
+            values = curve(arms[name], success)
+            first = onset(values, level)
+            lines.append(f"| {row} | {name} | {'—' if first is None else first} | {max(values, default='')} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("directories", type=Path, nargs="+", help="folders holding one run directory per arm")
     parser.add_argument("--val-episodes", type=int, default=512, help="episodes per validation of one arm")
     parser.add_argument("--step", type=int, help="the validation step to compare at (default: the last one that "
                                                  "every arm reached)")
+    parser.add_argument("--onset", type=float, metavar="LEVEL",
+                        help="also each arm's first validation step from which its success stays >= LEVEL")
     args = parser.parse_args()
     arms = read_folders(parser, args.directories)
     step = common_step(arms, f"val-env/{environment(arms)}/success") if args.step is None else args.step
     print(table(arms, step, args.val_episodes))
+    if args.onset is not None:
+        print(f"\n{onsets(arms, args.onset)}")
 
 
 if __name__ == "__main__":

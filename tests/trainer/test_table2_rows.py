@@ -58,3 +58,14 @@ def test_a_chosen_step_names_the_arms_that_have_not_reached_it(tmp_path):
 def test_no_arms_is_a_one_line_error(tmp_path):
     done = run(tmp_path)
     assert done.returncode == 2 and done.stderr.strip() == f"error: no <arm>/metrics.jsonl under {tmp_path}"
+
+
+def test_onset_is_where_success_rises_to_the_level_and_stays_there(tmp_path):
+    write_arm(tmp_path, "spa_s0", {0: 0.1, 25: 0.3, 50: 0.2, 75: 0.3, 100: 0.4})  # a dip at 50: from 75 on
+    write_arm(tmp_path, "spa_s1", {0: 0.1, 25: 0.3, 50: 0.35})
+    write_arm(tmp_path, "format_s0", {0: 0.2, 25: 0.2, 50: 0.24})  # never there
+    done = run(tmp_path, "--onset", "0.25")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.endswith("| row | arm | onset: success ≥ 0.250 from | last validation |\n|---|---|---|---|\n"
+                                "| format | format_s0 | — | 50 |\n"  # (the arms in their folders' order)
+                                "| spa | spa_s0 | 75 | 100 |\n| spa | spa_s1 | 25 | 50 |\n")
