@@ -104,6 +104,18 @@ def drop_zero_variance_groups(
     return rows, {"rollout/zero_variance_groups_dropped": float((~varied).sum())}
 
 
+def uniform_score(rm_scores: torch.Tensor) -> float | None:
+    """The one score every trajectory of a batch got, or None where they differ: the whole batch's case of a
+    zero-variance group (trainer.stop_after_uniform_scores).
+
+    Args:
+        rm_scores: (B, T-1) token-level scores; score = row sum. Equal up to float rounding: the same penalties at
+            other positions of the row are summed in another order.
+    """
+    scores = rm_scores.float().sum(dim=-1)
+    return float(scores[0]) if bool((scores - scores[0]).abs().max() <= 1e-6) else None
+
+
 # --------------------------------------------------------------------------------------------------------
 # Rewards
 # --------------------------------------------------------------------------------------------------------

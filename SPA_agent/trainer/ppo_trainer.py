@@ -70,13 +70,6 @@ class RewardSignalLost(Exception):
         self.step, self.total, self.streak, self.score = step, total, streak, score
 
 
-def uniform_score(rm_scores: torch.Tensor) -> float | None:
-    """The one score every trajectory of a rollout got (token-level scores (B, T), summed per row), or None where
-    they differ (by more than float rounding)."""
-    scores = rm_scores.float().sum(-1)
-    return float(scores[0]) if bool((scores - scores[0]).abs().max() <= 1e-6) else None
-
-
 class PPOTrainer:
     """Owns the loop; the backend owns the models, the proxy owns the environments."""
 
@@ -133,7 +126,7 @@ class PPOTrainer:
             rollout = self.proxy.rollout(val=False)
         metrics = prefixed("train", self._rollout_metrics(rollout))
         metrics["rollout/first_seed"] = float(rollout.batch.non_tensor_batch["seeds"].min())
-        self.last_uniform_score = uniform_score(rollout.batch.batch["rm_scores"])
+        self.last_uniform_score = algos.uniform_score(rollout.batch.batch["rm_scores"])
         self.uniform_streak = self.uniform_streak + 1 if self.last_uniform_score is not None else 0
         metrics["rollout/uniform_score_streak"] = float(self.uniform_streak)
         with timer("filter"):

@@ -8,9 +8,9 @@ import torch
 
 from SPA_agent.runs import checkpoints
 from SPA_agent.runs.metrics_logger import read_metrics
+from SPA_agent.trainer.algos import uniform_score
 from SPA_agent.trainer.config_checks import check_config
 from SPA_agent.trainer.main_ppo import EXIT_REWARD_SIGNAL_LOST
-from SPA_agent.trainer.ppo_trainer import uniform_score
 
 
 def test_uniform_score_is_the_score_every_trajectory_shares_or_none():
