@@ -4,7 +4,7 @@
     python benchmarks/study_curves.py table2_wm/ppo/_2_sokoban table2_nowm/ppo/_2_sokoban ...   # several sweeps
 
 Reads `<run>/metrics.jsonl` of every run directory there (one arm each; with several folders, the arms of all of
-them, whose names must differ) and draws, per PPO step and one line per arm: the validation success with its 95%
+them, whose names must differ; a run directory given itself is that one arm) and draws, per PPO step and one line per arm: the validation success with its 95%
 Wilson interval over --val-episodes episodes (128 puzzles × the validation samples), the training success, the share
 of well-formed training turns, the entropy of the answer span, the KL to the reference model (all trained tokens,
 the answers, the state blocks), the critic's explained variance, the step's seconds and, on a GPU, its peak memory
@@ -35,9 +35,11 @@ PANELS = (("val-env/{env}/success", "validation success"), ("train/{env}/success
 
 
 def read_arms(directory: Path) -> dict[str, list[dict]]:
-    """{arm: its metrics records}, for every `<arm>/metrics.jsonl` under `directory` (a cut-short line dropped)."""
+    """{arm: its metrics records}, for every `<arm>/metrics.jsonl` under `directory`, or for `directory` alone where
+    it is a run directory itself (one arm of a folder whose other arms are left out); a cut-short line dropped."""
     arms = {}
-    for path in sorted(directory.glob("*/metrics.jsonl")):
+    own = directory / "metrics.jsonl"
+    for path in [own] if own.is_file() else sorted(directory.glob("*/metrics.jsonl")):
         records = []
         for line in path.read_text().splitlines():
             try:
@@ -101,7 +103,7 @@ def markdown(arms: dict[str, list[dict]], key: str, episodes: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("directories", type=Path, nargs="+", help="folders holding one run directory per arm")
+    parser.add_argument("directories", type=Path, nargs="+", help="folders holding one run directory per arm, or run directories (one arm each)")
     parser.add_argument("--out", type=Path, default=Path("curves.png"))
     parser.add_argument("--val-episodes", type=int, default=512, help="episodes per validation (the interval's n)")
     args = parser.parse_args()

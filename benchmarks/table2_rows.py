@@ -5,12 +5,13 @@ seeds pooled.
         lease2/table2_wm/ppo/_2_sokoban ... --val-episodes 512
 
 An arm `<row>_s<seed>` (spa_s0, format_s1, ...) belongs to row `<row>`; arms of several folders and leases are read
-together (their names must differ, as in study_curves.py). A row's success at a validation step is the mean of its
-seeds' success there, with a 95% Wilson interval over the pooled episodes (seeds × --val-episodes). The seeds validate on the same
-puzzles, so the pooled episodes are not independent and the interval is narrower than one that allows for the
-puzzles; the seeds' own values are printed beside it. Two columns: step 0 (the start: Base for Vanilla RL, SFT-only for the others) and
---step, by default the last validation step that every arm reached, so that every row is compared after the same
-number of PPO steps. Arms that have not validated at that step are left out of a row and named below the table.
+together (their names must differ, as in study_curves.py; a run directory given itself is one arm). A row's success at
+a validation step is the mean of its seeds' success there, with a 95% Wilson interval over the pooled episodes (seeds
+× --val-episodes). The seeds validate on the same puzzles, so the pooled episodes are not independent and the interval
+is narrower than one that allows for the puzzles; the seeds' own values are printed beside it. Two columns: step 0
+(the start: Base for Vanilla RL, SFT-only for the others) and --step, by default the last validation step that every
+arm reached, so that every row is compared after the same number of PPO steps.
+Arms that have not validated at that step are left out of a row and named below the table.
 Where a row's arms log it (add_worldmodel prompts), the world model's accuracy before and after PPO: the share of
 turns whose observation is exactly the current state, and whose prediction is exactly the next one.
 
@@ -105,7 +106,7 @@ def onsets(arms: dict[str, list[dict]], level: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("directories", type=Path, nargs="+", help="folders holding one run directory per arm")
+    parser.add_argument("directories", type=Path, nargs="+", help="folders holding one run directory per arm, or run directories (one arm each)")
     parser.add_argument("--val-episodes", type=int, default=512, help="episodes per validation of one arm")
     parser.add_argument("--step", type=int, help="the validation step to compare at (default: the last one that "
                                                  "every arm reached)")

@@ -106,3 +106,16 @@ def test_arms_of_several_sweeps_side_by_side(tmp_path):
     result = subprocess.run([*command[:3], str(spa)], capture_output=True, text=True)
     assert result.returncode == 2 and result.stderr.strip() == f"error: two arms are named spa_s0, one in {spa}: " \
         "give each its own name"
+
+
+def test_a_run_directory_is_one_arm(tmp_path):
+    """One arm of a folder beside another folder's arm of the same row: a rerun replaces an earlier lease's seed."""
+    earlier, later = tmp_path / "lease2", tmp_path / "lease3"
+    earlier.mkdir(), later.mkdir()
+    write_arm(earlier, "grpo_s0", 0.25, 25, critic=False)
+    write_arm(earlier, "grpo_s1", 0.125, 25, critic=False)  # stopped short; lease 3 ran it again
+    write_arm(later, "grpo_s1", 0.5, 25, critic=False)
+    command = [sys.executable, str(SCRIPT), str(earlier / "grpo_s0"), str(later), "--out", str(tmp_path / "c.png")]
+    lines = subprocess.run(command, capture_output=True, text=True, check=True).stdout.splitlines()
+    assert lines[2:] == ["| grpo_s0 | 0.035 [0.022, 0.055] | 0.250 [0.214, 0.289] | 25 |",
+                         "| grpo_s1 | 0.035 [0.022, 0.055] | 0.500 [0.457, 0.543] | 25 |"]
