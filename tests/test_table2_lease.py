@@ -105,7 +105,7 @@ def test_the_studys_second_lease_runs_the_two_learning_settings_from_the_format_
 
 def test_the_studys_third_lease_adds_seed_2_of_both_settings_from_both_sfts():
     lease1 = {name: overrides for name, _, overrides in study300_arms()[:4]}
-    lease3 = {name: (start, overrides) for name, start, overrides in study300_arms()[10:]}
+    lease3 = {name: (start, overrides) for name, start, overrides in study300_arms()[10:14]}
     seed2 = ["trainer.seed=2", "generator.seed=2"]
     assert lease3 == {"grpo_guard_s2": ("wm", [*lease1["grpo_guard"], *seed2]),
                       "format_grpo_guard_s2": ("nowm", [*lease1["grpo_guard"], *seed2]),
@@ -113,11 +113,27 @@ def test_the_studys_third_lease_adds_seed_2_of_both_settings_from_both_sfts():
                       "format_kl_3e-5_s2": ("nowm", [*lease1["gae_kl_3e-5"], *seed2])}
 
 
+def test_the_studys_fourth_lease_runs_vanilla_rl_and_spa_in_its_own_prompts_under_the_grpo_guard():
+    """Table 2's Vanilla RL and SPA rows under the PPO of the grpo_guard rows (three seeds of each SFT)."""
+    guard = {name: overrides for name, _, overrides in study300_arms()[:4]}["grpo_guard"]
+    lease4 = {name: (start, overrides) for name, start, overrides in study300_arms()[14:]}
+    assert guard[0] == "ctx_manager.mode=base"
+    assert lease4 == {
+        **{f"vanilla_grpo_guard{suffix}": ("base", ["experiment=vanilla_rl", *guard, f"trainer.seed={seed}",
+                                                      f"generator.seed={seed}"])
+           for seed, suffix in enumerate(["", "_s1", "_s2"])},
+        "spa_grpo_guard": ("wm", ["ctx_manager.mode=add_worldmodel", *guard[1:],
+                                  "actor_rollout_ref.rollout.compact_decode_rows=16", "trainer.seed=0",
+                                  "generator.seed=0"])}
+
+
 @pytest.mark.parametrize("name, start, overrides", study300_arms(), ids=[a[0] for a in study300_arms()])
 def test_each_300_step_study_arm_composes_for_smollm2_and_passes_the_ppo_checks(name, start, overrides):
     cfg = compose("_2_sokoban", ["model=smollm2-135m", *SWEEP, *overrides])
     check_config(cfg)
-    assert (cfg.ctx_manager.mode, cfg.render_mode) == ("base", "text_with_coordinates")
+    prompts = {"base": ("base", "text"), "wm": ("add_worldmodel" if name.startswith("spa_") else "base",
+                                                 "text_with_coordinates"), "nowm": ("base", "text_with_coordinates")}
+    assert (cfg.ctx_manager.mode, cfg.render_mode) == prompts[start]
     assert cfg.trainer.total_training_steps == 300 and cfg.trainer.test_freq == 25
     assert cfg.es_manager.val.env_groups * cfg.es_manager.val.group_size == 512  # 128 puzzles x 4
 
@@ -131,12 +147,13 @@ def test_the_300_step_studys_command_puts_two_arms_a_gpu_after_one_sft(tmp_path)
     assert not (work / "table2_nowm").exists() and not (work / "table2_base").exists()
 
 
-@pytest.mark.parametrize("lease, wm_gpus, nowm_gpus",
-                         [("## Lease 2", "0 0", "1 1 0 1"), ("## Lease 3", "0 1 0", "1 0 1")])
+@pytest.mark.parametrize("lease, wm_gpus, nowm_gpus, base_gpus",
+                         [("## Lease 2", "0 0", "1 1 0 1", None), ("## Lease 3", "0 1 0", "1 0 1", None),
+                          ("## Lease 4", "0", "1 1", "0 0 1")])
 def test_the_300_step_studys_later_leases_put_three_arms_a_gpu_each_with_its_share(tmp_path, lease, wm_gpus,
-                                                                                    nowm_gpus):
+                                                                                    nowm_gpus, base_gpus):
     """Their README's commands: the world-model SFT on GPU 0, the format-only SFT on GPU 1, three arms on each GPU,
-    every arm with the sharing overrides (which compose and pass the PPO checks)."""
+    every arm with the sharing overrides (which compose and pass the PPO checks); Vanilla RL's arms without an SFT."""
     readme = (HERE.parent / "smollm2_study300" / "README.md").read_text()
     command = readme[readme.index(lease):]
     overrides = re.search(r'OVERRIDES="([^"]+)"', command).group(1)
@@ -145,6 +162,8 @@ def test_the_300_step_studys_later_leases_put_three_arms_a_gpu_each_with_its_sha
                       ARMS=arms, OVERRIDES=overrides, PATH=with_gpus(tmp_path, 2))
     assert (work / "table2_wm" / "logs" / "gpu_ids").read_text().strip() == wm_gpus
     assert (work / "table2_nowm" / "logs" / "gpu_ids").read_text().strip() == nowm_gpus
+    base = work / "table2_base" / "logs" / "gpu_ids"
+    assert (base.read_text().strip() if base_gpus else base.exists()) == (base_gpus or False)
     assert [a.split("@")[1] for a in arms.split()].count("0") == 3 and len(arms.split()) == 6
     settings = (work / "table2_nowm" / "logs" / "settings").read_text()
     assert all(line.endswith(overrides) for line in settings.splitlines() if line)
