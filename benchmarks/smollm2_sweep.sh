@@ -38,6 +38,10 @@
 # agent_proxy.pipeline_turns=true from docs/results/smollm2_table2/job.sh's speed gate. The check before the
 # first stage cannot know them: each run's own config checks (SPA_agent/trainer/config_checks.py) refuse a bad one
 # when it starts.
+# WM_EVAL=1: the world model's accuracy where PPO did not ask for it (runs in base prompts, issue 43's Table 2): the
+# SFT's checkpoint once it is made, and each run's last checkpoint once the run has ended well, play the validation
+# puzzles (VAL_SAMPLES each) in the SFT's own prompts (add_worldmodel; SPA_agent.evaluate on the run's GPU) into
+# $OUT/wm_eval/<sft or run>/eval.json (observation and prediction exact among its numbers; logs beside it).
 set -euo pipefail
 OUT="${OUT:-smollm2_sweep}"; [[ "$OUT" = /* ]] || OUT="$PWD/$OUT"  # relative to the caller's directory
 cd "$(dirname "$0")/.."
@@ -99,6 +103,16 @@ check_stages "${STAGES[@]}"
 mkdir -p "$OUT/logs"
 rm -f "$OUT/logs/ready"  # a caller waiting for it must not see an earlier sweep's
 stamp() { echo "$(date -u +%T) $*" >> "$OUT/logs/stages.txt"; }  # when each stage ended (wall times of a lease)
+wm_eval() {  # <checkpoint> <name> [placement...]: WM_EVAL's evaluation of one checkpoint, printed with SPA_PRINT_STAGE
+    [ "${WM_EVAL:-0}" = 1 ] || return 0
+    local command=(python -m SPA_agent.evaluate --config-name "$CONFIG" model="$MODEL_PRESET" model_path="$1"
+                   evaluation.prompt_mode=add_worldmodel evaluation.n="$VAL_SAMPLES" evaluation.overwrite=true
+                   evaluation.write_trajectories=false evaluation.write_plots=false
+                   evaluation.output_dir="$OUT/wm_eval/$2")
+    mkdir -p "$OUT/wm_eval"
+    if [ -n "${SPA_PRINT_STAGE:-}" ]; then echo "${command[*]}" > "$OUT/wm_eval/$2.log"
+    else env "${@:3}" "${command[@]}" > "$OUT/wm_eval/$2.log" 2>&1 || true; fi  # a failed one leaves its log
+}
 stamp "checks done"
 if [ "$MODEL" = smollm2-135m ]; then
     python -m SPA_agent.smollm2 > "$OUT/logs/convert.log" 2>&1
@@ -114,6 +128,7 @@ if [ "$START" != base ]; then
     env "${sft_placement[@]}" bash sft/finetune_ft.sh "${SFT_STAGE[@]}" > "$OUT/logs/sft.log" 2>&1
     stamp "SFT done"
     START_MODEL="$(latest_checkpoint "$OUT/sft")"
+    wm_eval "$START_MODEL" sft "${sft_placement[@]}" &
 fi
 GATE=()  # WAIT_FOR's overrides, after every setting's
 if [ -n "${WAIT_FOR:-}" ]; then
@@ -129,8 +144,11 @@ while read -r name overrides; do
     [ "$GPUS" -gt 0 ] && placement=(CUDA_VISIBLE_DEVICES="${GPU_LIST[$(( run % GPUS ))]}" NGPUS=1)
     echo "$name: ${placement[*]:-CPU}" >> "$OUT/logs/placement.txt"
     # shellcheck disable=SC2086
-    env "${placement[@]}" BASE_DIR="$OUT/ppo" bash train_ppo_sfted.sh "$CONFIG" "$START_MODEL" "$name" "${PPO[@]}" \
-        $overrides "${GATE[@]}" > "$OUT/logs/$name.log" 2>&1 &
+    (env "${placement[@]}" BASE_DIR="$OUT/ppo" bash train_ppo_sfted.sh "$CONFIG" "$START_MODEL" "$name" "${PPO[@]}" \
+         $overrides "${GATE[@]}" > "$OUT/logs/$name.log" 2>&1
+     if last="$(latest_checkpoint "$OUT/ppo/$CONFIG/$name" 2>/dev/null)"; then
+         wm_eval "$last/actor" "$name" "${placement[@]}"
+     fi) &
     run=$(( run + 1 ))
 done <<< "$SETTINGS"
 wait

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from SPA_agent.config import compose
+from SPA_agent.evaluation.evaluate import prepare_eval_config
 from SPA_agent.trainer.config_checks import check_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -114,11 +115,14 @@ def test_the_studys_third_lease_adds_seed_2_of_both_settings_from_both_sfts():
 
 
 def test_the_studys_fourth_lease_runs_vanilla_rl_and_spa_in_its_own_prompts_under_the_grpo_guard():
-    """Table 2's Vanilla RL and SPA rows under the PPO of the grpo_guard rows (three seeds of each SFT)."""
+    """Table 2's Vanilla RL and SPA rows under the PPO of the grpo_guard rows (three seeds of each SFT), and seed 3
+    of both grpo_guard rows."""
     guard = {name: overrides for name, _, overrides in study300_arms()[:4]}["grpo_guard"]
     lease4 = {name: (start, overrides) for name, start, overrides in study300_arms()[14:]}
     assert guard[0] == "ctx_manager.mode=base"
+    seed3 = ["trainer.seed=3", "generator.seed=3"]
     assert lease4 == {
+        "grpo_guard_s3": ("wm", [*guard, *seed3]), "format_grpo_guard_s3": ("nowm", [*guard, *seed3]),
         **{f"vanilla_grpo_guard{suffix}": ("base", ["experiment=vanilla_rl", *guard, f"trainer.seed={seed}",
                                                       f"generator.seed={seed}"])
            for seed, suffix in enumerate(["", "_s1", "_s2"])},
@@ -149,7 +153,7 @@ def test_the_300_step_studys_command_puts_two_arms_a_gpu_after_one_sft(tmp_path)
 
 @pytest.mark.parametrize("lease, wm_gpus, nowm_gpus, base_gpus",
                          [("## Lease 2", "0 0", "1 1 0 1", None), ("## Lease 3", "0 1 0", "1 0 1", None),
-                          ("## Lease 4", "0", "1 1", "0 0 1")])
+                          ("## Lease 4", "0 1", "1", "0 0 1")])
 def test_the_300_step_studys_later_leases_put_three_arms_a_gpu_each_with_its_share(tmp_path, lease, wm_gpus,
                                                                                     nowm_gpus, base_gpus):
     """Their README's commands: the world-model SFT on GPU 0, the format-only SFT on GPU 1, three arms on each GPU,
@@ -158,8 +162,12 @@ def test_the_300_step_studys_later_leases_put_three_arms_a_gpu_each_with_its_sha
     command = readme[readme.index(lease):]
     overrides = re.search(r'OVERRIDES="([^"]+)"', command).group(1)
     arms = re.search(r'ARMS="([^"]+)"', command).group(1)
+    wm_eval = re.search(r"WM_EVAL=(\d)", command[:command.index("job.sh")])
     work, _ = run_job(tmp_path, GATE="off", ARMS_FILE=str(HERE.parent / "smollm2_study300" / "arms.txt"),
-                      ARMS=arms, OVERRIDES=overrides, PATH=with_gpus(tmp_path, 2))
+                      ARMS=arms, OVERRIDES=overrides, PATH=with_gpus(tmp_path, 2),
+                      **({"WM_EVAL": wm_eval[1]} if wm_eval else {}))
+    assert (work / "table2_wm" / "logs" / "wm_eval").read_text().strip() == (wm_eval[1] if wm_eval else "0")
+    assert (work / "table2_nowm" / "logs" / "wm_eval").read_text().strip() == "0"  # no world model taught there
     assert (work / "table2_wm" / "logs" / "gpu_ids").read_text().strip() == wm_gpus
     assert (work / "table2_nowm" / "logs" / "gpu_ids").read_text().strip() == nowm_gpus
     base = work / "table2_base" / "logs" / "gpu_ids"
@@ -174,6 +182,7 @@ def test_the_300_step_studys_later_leases_put_three_arms_a_gpu_each_with_its_sha
 
 def test_a_sweep_with_wait_for_is_ready_after_its_stages_then_adds_the_gate_after_each_arms_overrides(tmp_path):
     out, gate = tmp_path / "sweep", tmp_path / "gate.txt"
+    (out / "ppo" / "_2_sokoban" / "a" / "global_step_2" / "actor").mkdir(parents=True)  # as if the arm had saved
     env = {**ENV, "START": "base", "MODEL": "tiny", "GPUS": "0", "STEPS": "2", "TEST_FREQ": "1", "OUT": str(out),
            "WAIT_FOR": str(gate), "SPA_PRINT_STAGE": "1",  # the arms print their PPO command instead of running
            # one arm (each costs two python starts before and two after the gate); {data}: the SFT data's folder
@@ -195,6 +204,31 @@ def test_a_sweep_with_wait_for_is_ready_after_its_stages_then_adds_the_gate_afte
                             "agent_proxy.pipeline_turns=true"]  # the gate's after the setting's overrides
     stages = [line.split(" ", 1)[1] for line in (out / "logs" / "stages.txt").read_text().splitlines()]
     assert stages == ["checks done", "arms start"]  # no conversion (tiny), data or SFT (START=base)
+    assert not (out / "wm_eval").exists()  # WM_EVAL is off by default: no evaluation of the arm's checkpoint
+
+
+def test_wm_eval_plays_each_runs_last_checkpoint_in_the_sfts_own_prompts(tmp_path):
+    """WM_EVAL=1: a run's newest checkpoint (by step, not by name) is evaluated in add_worldmodel prompts on the
+    validation puzzles × VAL_SAMPLES; a run without a checkpoint is not. The arms and the evaluation print their
+    commands (SPA_PRINT_STAGE), so no model runs."""
+    out = tmp_path / "sweep"
+    for step in (2, 10):
+        (out / "ppo" / "_2_sokoban" / "a" / f"global_step_{step}" / "actor").mkdir(parents=True)
+    env = {**ENV, "START": "base", "MODEL": "tiny", "GPUS": "0", "STEPS": "2", "TEST_FREQ": "1", "OUT": str(out),
+           "WM_EVAL": "1", "SPA_PRINT_STAGE": "1", "SETTINGS": "a trainer.seed=1\nb trainer.seed=2"}
+    subprocess.run(["bash", str(REPO / "benchmarks" / "smollm2_sweep.sh")], env=env, cwd=tmp_path, check=True,
+                   capture_output=True, timeout=120)
+    assert sorted(path.name for path in (out / "wm_eval").iterdir()) == ["a.log"]  # b saved no checkpoint
+    command = (out / "wm_eval" / "a.log").read_text().split()
+    assert command[:5] == ["python", "-m", "SPA_agent.evaluate", "--config-name", "_2_sokoban"]
+    assert command[5:] == ["model=tiny", f"model_path={out}/ppo/_2_sokoban/a/global_step_10/actor",
+                           "evaluation.prompt_mode=add_worldmodel", "evaluation.n=4", "evaluation.overwrite=true",
+                           "evaluation.write_trajectories=false", "evaluation.write_plots=false",
+                           f"evaluation.output_dir={out}/wm_eval/a"]
+    cfg = prepare_eval_config(compose("_2_sokoban", command[5:]), "_2_sokoban")
+    assert cfg.ctx_manager.mode == "add_worldmodel"  # the states written, and scored, in every turn
+    validation = compose("_2_sokoban", ["model=tiny", *SWEEP]).es_manager.val
+    assert (cfg.es_manager.val.env_groups, cfg.es_manager.val.group_size) == (validation.env_groups, 4)
 
 
 SWEEP_STUB = """#!/usr/bin/env bash
@@ -203,6 +237,7 @@ mkdir -p "$OUT/logs"
 [ "$START" = "${FAIL:-}" ] && exit 3
 echo "$GPU_IDS" > "$OUT/logs/gpu_ids"
 printf '%s' "$SETTINGS" > "$OUT/logs/settings"
+echo "$WM_EVAL" > "$OUT/logs/wm_eval"
 if [ -n "${BENCH_MARK:-}" ]; then  # whether the kernels' benchmark had ended when this sweep started
     if [ -e "$BENCH_MARK" ]; then echo after; else echo before; fi > "$OUT/logs/started_bench"
 fi

@@ -2,14 +2,15 @@
 # The lease's results so far into $OUT/table2.tgz, run at the end of every polling call: job.sh's out/ (progress,
 # sweep logs, the pipelining gate's step benchmarks), gate.txt (the overrides the gate gave every arm) and each
 # sweep's logs and PPO runs without checkpoints (metrics.jsonl with the validations, config.yaml,
-# run_identity.json), its data cards and the SFT's metrics, config and truncation report. Prints each arm's last step
+# run_identity.json), its data cards, the SFT's metrics, config and truncation report, and the world model's
+# evaluations (smollm2_sweep.sh's WM_EVAL). Prints each arm's last step
 # and its validation success so far (`val-env/<env>/success`), for the runs of every config (job.sh's CONFIG: Sokoban,
 # FrozenLake), each arm named <config>/<arm> where there are several. WORK: where job.sh wrote (/tmp).
 cd "${WORK:-/tmp}" || exit 1
 paths=(out)
 [ -e gate.txt ] && paths+=(gate.txt)
 for sweep in table2_wm table2_nowm table2_base; do
-    for sub in logs ppo data/data_card.json data/data_card.md data_nowm/data_card.json sft/metrics.jsonl \
+    for sub in logs ppo wm_eval data/data_card.json data/data_card.md data_nowm/data_card.json sft/metrics.jsonl \
             sft/sft_config.yaml sft/truncation.json; do
         [ -e "$sweep/$sub" ] && paths+=("$sweep/$sub")
     done

@@ -72,6 +72,10 @@
 # sweep whose first GPU (its SFT's, or a Vanilla RL arm's) is the last GPU starts after it, so that no other work
 # blurs the timings (that sweep's arms start up to ~1.5 minutes later). The GPU tests wait for it too.
 #
+# WM_EVAL=1: the wm sweep evaluates its SFT's checkpoint and each of its arms' last one in the SFT's own prompts
+# (smollm2_sweep.sh's WM_EVAL): the world model's accuracy before and after a PPO that ran in base prompts, in
+# table2_wm/wm_eval/ (collect.sh takes it). ~15 s of an arm's GPU each, after the arm has ended.
+#
 # Settings for a CPU check of the plumbing: MODEL=tiny STEPS=2 TEST_FREQ=1, OVERRIDES (added to every arm's, e.g.
 # shorter answers), SFT_OVERRIDES (the sweep's), REPO (the tree, /tmp/repo), WORK (where results go, /tmp) and
 # GATE_ARGS (more arguments of the gate's step benchmark: --smoke on CPU, which times the tiny model instead);
@@ -257,8 +261,9 @@ for start in wm nowm base; do
         if [ "${KERNEL_BENCH:-0}" = 1 ] && [ "${GPU_IDS[$start]%% *}" = "$(( N - 1 ))" ]; then  # after the benchmark
             while [ ! -e "$BENCH_DONE" ] && kill -0 "$GPU_TESTS_PID" 2>/dev/null; do sleep 1; done
         fi
-        START=$start GENERATOR=random MODE=base STEPS="${STEPS:-300}" TEST_FREQ="${TEST_FREQ:-25}" VAL_SAMPLES=4 \
-            SAVE_FREQ="$SAVE_FREQ" GPU_IDS="${GPU_IDS[$start]:-}" OUT="$WORK/table2_$start" SETTINGS="${SETTINGS[$start]%$'\n'}" \
+        wm_eval=0; [ "$start" = wm ] && wm_eval="${WM_EVAL:-0}"  # the world model only where an SFT taught it
+        WM_EVAL=$wm_eval START=$start GENERATOR=random MODE=base STEPS="${STEPS:-300}" TEST_FREQ="${TEST_FREQ:-25}" \
+            VAL_SAMPLES=4 SAVE_FREQ="$SAVE_FREQ" GPU_IDS="${GPU_IDS[$start]:-}" OUT="$WORK/table2_$start" SETTINGS="${SETTINGS[$start]%$'\n'}" \
             WAIT_FOR="$WAIT_FOR" bash benchmarks/smollm2_sweep.sh > "$O/sweep_$start.out" 2>&1
         p "sweep $start rc=$?"
     ) &
