@@ -15,6 +15,11 @@ Arms that have not validated at that step are left out of a row and named below 
 Where a row's arms log it (add_worldmodel prompts), the world model's accuracy before and after PPO: the share of
 turns whose observation is exactly the current state, and whose prediction is exactly the next one.
 
+--compare ROW_A ROW_B compares two rows at --step over their seeds, each seed's success one observation: the
+difference of the rows' means with Welch's 95% interval (between-seed spread, which the pooled Wilson intervals
+leave out) and the exact permutation test of the seeds' labels (one-sided: ROW_A above; with 3 seeds a row, all
+three above all three has p = 1/20).
+
 --onset LEVEL adds each arm's onset: the first validation step from which its success stays at or above LEVEL up to
 its last validation (e.g. the SFT-only model's success + 0.05). Seeds of one setting rose ~75 steps apart in the
 300-step study, so a row compared at one step can measure when its seeds rose more than where they go.
@@ -23,7 +28,10 @@ its last validation (e.g. the SFT-only model's success + 0.05). Seeds of one set
 from __future__ import annotations
 
 import argparse
+import itertools
+import math
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -87,6 +95,65 @@ def table(arms: dict[str, list[dict]], step: int, episodes: int) -> str:
     return "\n".join(lines)
 
 
+def t_quantile(probability: float, df: float) -> float:
+    """Student's t quantile for probability in (0.5, 1): bisection on the CDF, whose density (fractional df
+    allowed, as Welch's) is integrated by Simpson's rule."""
+    log_norm = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+
+    def cdf(x: float, intervals: int = 4000) -> float:
+        h = x / intervals
+        density = [math.exp(log_norm - (df + 1) / 2 * math.log1p((i * h) ** 2 / df)) for i in range(intervals + 1)]
+        return 0.5 + h / 3 * (density[0] + density[-1] + 4 * sum(density[1:-1:2]) + 2 * sum(density[2:-1:2]))
+
+    low, high = 0.0, 1.0
+    while cdf(high) < probability:
+        high *= 2
+    for _ in range(60):
+        low, high = (low, (low + high) / 2) if cdf((low + high) / 2) >= probability else ((low + high) / 2, high)
+    return (low + high) / 2
+
+
+def welch(a: list[float], b: list[float]) -> tuple[float, float, float, float]:
+    """(mean(a) - mean(b), its 95% interval's low and high, Welch's degrees of freedom)."""
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    difference = statistics.fmean(a) - statistics.fmean(b)
+    if va + vb == 0:
+        return difference, difference, difference, math.inf
+    df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
+    half = t_quantile(0.975, df) * math.sqrt(va + vb)
+    return difference, difference - half, difference + half, df
+
+
+def permutation_p(a: list[float], b: list[float]) -> tuple[float, float]:
+    """Exact permutation test of the difference of means over every split of the pooled seeds: (one-sided p of a
+    above b, two-sided p)."""
+    pooled, observed = a + b, statistics.fmean(a) - statistics.fmean(b)
+    differences = [statistics.fmean([pooled[i] for i in chosen])
+                   - statistics.fmean([pooled[i] for i in range(len(pooled)) if i not in chosen])
+                   for chosen in itertools.combinations(range(len(pooled)), len(a))]
+    tolerance = 1e-12
+    one_sided = sum(d >= observed - tolerance for d in differences) / len(differences)
+    two_sided = sum(abs(d) >= abs(observed) - tolerance for d in differences) / len(differences)
+    return one_sided, two_sided
+
+
+def compare(arms: dict[str, list[dict]], first: str, second: str, step: int) -> str:
+    """The seed-level comparison of two rows at `step` (module docstring)."""
+    success, rows = f"val-env/{environment(arms)}/success", rows_of(arms)
+    values = {}
+    for row in (first, second):
+        if row not in rows:
+            raise ValueError(f"no row named {row} (rows: {', '.join(rows)})")
+        values[row] = [curve(arms[name], success)[step] for name in rows[row] if step in curve(arms[name], success)]
+        if len(values[row]) < 2:
+            raise ValueError(f"row {row} has {len(values[row])} seed(s) validated at step {step}: at least 2 needed")
+    difference, low, high, df = welch(values[first], values[second])
+    one_sided, two_sided = permutation_p(values[first], values[second])
+    return (f"{first} − {second} at step {step}, over seeds ({len(values[first])} and {len(values[second])}): "
+            f"{difference:+.3f}, Welch 95% interval [{low:+.3f}, {high:+.3f}] (df {df:.1f}); "
+            f"exact permutation test of the seeds: one-sided p = {one_sided:.3f}, two-sided p = {two_sided:.3f}")
+
+
 def onset(values: dict[int, float], level: float) -> int | None:
     """The first validation step from which success stays at or above `level` to the last one; None if none."""
     steps = sorted(values)
@@ -106,16 +173,24 @@ def onsets(arms: dict[str, list[dict]], level: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("directories", type=Path, nargs="+", help="folders holding one run directory per arm, or run directories (one arm each)")
+    parser.add_argument("directories", type=Path, nargs="+",
+                        help="folders holding one run directory per arm, or run directories (one arm each)")
     parser.add_argument("--val-episodes", type=int, default=512, help="episodes per validation of one arm")
     parser.add_argument("--step", type=int, help="the validation step to compare at (default: the last one that "
                                                  "every arm reached)")
     parser.add_argument("--onset", type=float, metavar="LEVEL",
                         help="also each arm's first validation step from which its success stays >= LEVEL")
+    parser.add_argument("--compare", nargs=2, metavar=("ROW_A", "ROW_B"),
+                        help="also ROW_A - ROW_B at --step over seeds: Welch's interval, the permutation test")
     args = parser.parse_args()
     arms = read_folders(parser, args.directories)
     step = common_step(arms, f"val-env/{environment(arms)}/success") if args.step is None else args.step
     print(table(arms, step, args.val_episodes))
+    if args.compare:
+        try:
+            print(f"\n{compare(arms, *args.compare, step)}")
+        except ValueError as error:
+            parser.exit(2, f"error: {error}\n")
     if args.onset is not None:
         print(f"\n{onsets(arms, args.onset)}")
 

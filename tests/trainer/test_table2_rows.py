@@ -69,3 +69,31 @@ def test_onset_is_where_success_rises_to_the_level_and_stays_there(tmp_path):
     assert done.stdout.endswith("| row | arm | onset: success ≥ 0.250 from | last validation |\n|---|---|---|---|\n"
                                 "| format | format_s0 | — | 50 |\n"  # (the arms in their folders' order)
                                 "| spa | spa_s0 | 75 | 100 |\n| spa | spa_s1 | 25 | 50 |\n")
+
+
+def test_t_quantiles_are_the_textbooks():
+    sys.path.insert(0, str(SCRIPT.parent))
+    import table2_rows
+
+    quantiles = {1: 12.7062, 2: 4.3027, 5: 2.5706, 10: 2.2281, 30: 2.0423, 10_000: 1.9602}  # t_{0.975, df}
+    assert {df: round(table2_rows.t_quantile(0.975, df), 4) for df in quantiles} == quantiles
+    assert round(table2_rows.t_quantile(0.95, 4), 4) == 2.1318
+
+
+def test_compare_gives_the_seeds_welch_interval_and_exact_permutation_test(tmp_path):
+    for seed, (spa, fmt) in enumerate([(0.45, 0.35), (0.38, 0.31), (0.37, 0.35)]):
+        write_arm(tmp_path, f"spa_s{seed}", {0: 0.0, 25: spa})
+        write_arm(tmp_path, f"format_s{seed}", {0: 0.2, 25: fmt})
+    done = run(tmp_path, "--compare", "spa", "format")
+    assert done.returncode == 0, done.stderr
+    # difference 0.4 - 0.33667 = 0.06333; variances 0.0019 and 0.000533 over 3 seeds each: SE 0.02848, Welch's df
+    # 0.0008111^2 / (0.0006333^2 / 2 + 0.0001778^2 / 2) = 3.04, t_{0.975, 3.04} = 3.158: half-width 0.0900;
+    # all three spa seeds above all three format ones: one split of 20 as extreme (one-sided), two (two-sided)
+    assert done.stdout.splitlines()[-1] == (
+        "spa − format at step 25, over seeds (3 and 3): +0.063, Welch 95% interval [-0.027, +0.153] (df 3.0); "
+        "exact permutation test of the seeds: one-sided p = 0.050, two-sided p = 0.100")
+    one_seed = run(tmp_path / "spa_s0", tmp_path / "format_s0", tmp_path / "format_s1", "--compare", "spa", "format")
+    assert one_seed.returncode == 2
+    assert one_seed.stderr.strip() == "error: row spa has 1 seed(s) validated at step 25: at least 2 needed"
+    unknown = run(tmp_path, "--compare", "spa", "vanilla")
+    assert unknown.returncode == 2 and unknown.stderr.strip() == "error: no row named vanilla (rows: format, spa)"
