@@ -3,19 +3,21 @@
     python benchmarks/study_curves.py <sweep_out>/ppo/_2_sokoban --out curves.png --val-episodes 512
     python benchmarks/study_curves.py table2_wm/ppo/_2_sokoban table2_nowm/ppo/_2_sokoban ...   # several sweeps
 
-Reads `<run>/metrics.jsonl` of every run directory there (one arm each; with several folders, the arms of all of
-them, whose names must differ; a run directory given itself is that one arm) and draws, per PPO step and one line per arm: the validation success with its 95%
-Wilson interval over --val-episodes episodes (128 puzzles × the validation samples), the training success, the share
-of well-formed training turns, the entropy of the answer span, the KL to the reference model (all trained tokens,
-the answers, the state blocks), the critic's explained variance, the step's seconds and, on a GPU, its peak memory
-and the memory its process held, and in add_worldmodel prompts
-the validation's world-model accuracy (the share of turns whose written observation, and prediction, is exactly the
-true current and next state; no interval: its count is turns, not episodes) (panels no arm logs are left out).
-Prints the validation success per arm and step as a markdown table, with the intervals, and each arm's last step."""
+Reads `<run>/metrics.jsonl` (or its gzip-compressed `metrics.jsonl.gz`) of every run directory there (one arm each;
+with several folders, the arms of all of them, whose names must differ; a run directory given itself is that one
+arm) and draws, per PPO step and one line per arm: the validation success with its 95% Wilson interval over
+--val-episodes episodes (128 puzzles × the validation samples), the training success, the share of well-formed
+training turns, the entropy of the answer span, the KL to the reference model (all trained tokens, the answers, the
+state blocks), the critic's explained variance, the step's seconds and, on a GPU, its peak memory and the memory its
+process held, and in add_worldmodel prompts the validation's world-model accuracy (the share of turns whose written
+observation, and prediction, is exactly the true current and next state; no interval: its count is turns, not
+episodes) (panels no arm logs are left out). Prints the validation success per arm and step as a markdown table,
+with the intervals, and each arm's last step."""
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
 from pathlib import Path
@@ -34,19 +36,30 @@ PANELS = (("val-env/{env}/success", "validation success"), ("train/{env}/success
           ("val-env/{env}/worldmodel/prediction_exact", "validation: prediction exact"))
 
 
+def metrics_file(run: Path) -> Path | None:
+    """A run directory's metrics.jsonl, or its gzip-compressed metrics.jsonl.gz (docs/results keeps those)."""
+    return next((path for path in (run / "metrics.jsonl", run / "metrics.jsonl.gz") if path.is_file()), None)
+
+
 def read_arms(directory: Path) -> dict[str, list[dict]]:
-    """{arm: its metrics records}, for every `<arm>/metrics.jsonl` under `directory`, or for `directory` alone where
-    it is a run directory itself (one arm of a folder whose other arms are left out); a cut-short line dropped."""
+    """{arm: its metrics records}, for every `<arm>/metrics.jsonl[.gz]` under `directory`, or for `directory` alone
+    where it is a run directory itself (one arm of a folder whose other arms are left out); a cut-short line
+    dropped."""
     arms = {}
-    own = directory / "metrics.jsonl"
-    for path in [own] if own.is_file() else sorted(directory.glob("*/metrics.jsonl")):
+    own = metrics_file(directory)
+    runs = [directory] if own else sorted(path for path in directory.glob("*") if path.is_dir())
+    for run in runs:
+        path = metrics_file(run)
+        if path is None:
+            continue
+        text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
         records = []
-        for line in path.read_text().splitlines():
+        for line in text.splitlines():
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError:
                 continue
-        arms[path.parent.name] = records
+        arms[run.name] = records
     return arms
 
 

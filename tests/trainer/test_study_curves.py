@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import sys
@@ -119,3 +120,15 @@ def test_a_run_directory_is_one_arm(tmp_path):
     lines = subprocess.run(command, capture_output=True, text=True, check=True).stdout.splitlines()
     assert lines[2:] == ["| grpo_s0 | 0.035 [0.022, 0.055] | 0.250 [0.214, 0.289] | 25 |",
                          "| grpo_s1 | 0.035 [0.022, 0.055] | 0.500 [0.457, 0.543] | 25 |"]
+
+
+def test_a_gzip_compressed_metrics_file_reads_as_the_plain_one(tmp_path):
+    """docs/results keeps the runs' metrics.jsonl gzip-compressed: the same arms, the same table."""
+    plain, packed = tmp_path / "plain", tmp_path / "packed"
+    plain.mkdir(), packed.mkdir()
+    write_arm(plain, "gae", 0.25, 30, critic=True)
+    (packed / "gae").mkdir()
+    (packed / "gae" / "metrics.jsonl.gz").write_bytes(gzip.compress((plain / "gae" / "metrics.jsonl").read_bytes()))
+    tables = [subprocess.run([sys.executable, str(SCRIPT), str(folder), "--out", str(tmp_path / "c.png")],
+                             capture_output=True, text=True, check=True).stdout for folder in (plain, packed)]
+    assert tables[0] == tables[1] and "| gae | 0.035 [0.022, 0.055] | 0.250 [0.214, 0.289] | 30 |" in tables[1]
