@@ -38,10 +38,11 @@
 # agent_proxy.pipeline_turns=true from docs/results/smollm2_table2/job.sh's speed gate. The check before the
 # first stage cannot know them: each run's own config checks (SPA_agent/trainer/config_checks.py) refuse a bad one
 # when it starts.
-# WM_EVAL=1: the world model's accuracy where PPO did not ask for it (runs in base prompts, issue 43's Table 2): the
-# SFT's checkpoint once it is made, and each run's last checkpoint once the run has ended well, play the validation
-# puzzles (VAL_SAMPLES each) in the SFT's own prompts (add_worldmodel; SPA_agent.evaluate on the run's GPU) into
-# $OUT/wm_eval/<sft or run>/eval.json (observation and prediction exact among its numbers; logs beside it).
+# WM_EVAL=1: the world model's accuracy where PPO did not ask for it (runs in base prompts, issue 43's Table 2): each
+# run's last checkpoint, once the run has ended well (its GPU share freed), plays the validation puzzles (VAL_SAMPLES
+# each) in the SFT's own prompts (add_worldmodel; SPA_agent.evaluate on the run's GPU) into $OUT/wm_eval/<run>/eval.json
+# (observation and prediction exact among its numbers; the log beside it). The SFT's own accuracy is the step-0
+# validation of a run in add_worldmodel prompts.
 set -euo pipefail
 OUT="${OUT:-smollm2_sweep}"; [[ "$OUT" = /* ]] || OUT="$PWD/$OUT"  # relative to the caller's directory
 cd "$(dirname "$0")/.."
@@ -128,7 +129,6 @@ if [ "$START" != base ]; then
     env "${sft_placement[@]}" bash sft/finetune_ft.sh "${SFT_STAGE[@]}" > "$OUT/logs/sft.log" 2>&1
     stamp "SFT done"
     START_MODEL="$(latest_checkpoint "$OUT/sft")"
-    wm_eval "$START_MODEL" sft "${sft_placement[@]}" &
 fi
 GATE=()  # WAIT_FOR's overrides, after every setting's
 if [ -n "${WAIT_FOR:-}" ]; then

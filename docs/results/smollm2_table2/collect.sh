@@ -3,9 +3,9 @@
 # sweep logs, the pipelining gate's step benchmarks), gate.txt (the overrides the gate gave every arm) and each
 # sweep's logs and PPO runs without checkpoints (metrics.jsonl with the validations, config.yaml,
 # run_identity.json), its data cards, the SFT's metrics, config and truncation report, and the world model's
-# evaluations (smollm2_sweep.sh's WM_EVAL). Prints each arm's last step
-# and its validation success so far (`val-env/<env>/success`), for the runs of every config (job.sh's CONFIG: Sokoban,
-# FrozenLake), each arm named <config>/<arm> where there are several. WORK: where job.sh wrote (/tmp).
+# evaluations (smollm2_sweep.sh's WM_EVAL). Prints each arm's last step and its validation success so far
+# (`val-env/<env>/success`), for the runs of every config (job.sh's CONFIG: Sokoban, FrozenLake), each arm named
+# <config>/<arm> where there are several. WORK: where job.sh wrote (/tmp).
 cd "${WORK:-/tmp}" || exit 1
 paths=(out)
 [ -e gate.txt ] && paths+=(gate.txt)

@@ -72,9 +72,9 @@
 # sweep whose first GPU (its SFT's, or a Vanilla RL arm's) is the last GPU starts after it, so that no other work
 # blurs the timings (that sweep's arms start up to ~1.5 minutes later). The GPU tests wait for it too.
 #
-# WM_EVAL=1: the wm sweep evaluates its SFT's checkpoint and each of its arms' last one in the SFT's own prompts
-# (smollm2_sweep.sh's WM_EVAL): the world model's accuracy before and after a PPO that ran in base prompts, in
-# table2_wm/wm_eval/ (collect.sh takes it). ~15 s of an arm's GPU each, after the arm has ended.
+# WM_EVAL=1: the wm sweep evaluates each of its arms' last checkpoint in the SFT's own prompts (smollm2_sweep.sh's
+# WM_EVAL): the world model's accuracy after a PPO that ran in base prompts, in table2_wm/wm_eval/ (collect.sh takes
+# it); before PPO, it is the step-0 validation of an arm in add_worldmodel prompts. ~15 s of the arm's GPU, after it.
 #
 # Settings for a CPU check of the plumbing: MODEL=tiny STEPS=2 TEST_FREQ=1, OVERRIDES (added to every arm's, e.g.
 # shorter answers), SFT_OVERRIDES (the sweep's), REPO (the tree, /tmp/repo), WORK (where results go, /tmp) and
