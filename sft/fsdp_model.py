@@ -58,7 +58,7 @@ def shard(model: torch.nn.Module, mesh: DeviceMesh, bf16: bool) -> torch.nn.Modu
     return model
 
 
-def place(model: torch.nn.Module, mesh: DeviceMesh, device: torch.device,
+def place(model: torch.nn.Module, mesh: DeviceMesh | None, device: torch.device,
           fsdp: bool) -> tuple[torch.nn.Module, Callable[[], contextlib.AbstractContextManager]]:
     """The model ready to train on `device`, and the context its forward passes run in: sharded by `shard` (FSDP's
     mixed precision casts weights and inputs to bf16 on GPU), or with `fsdp` false a plain float32 module whose

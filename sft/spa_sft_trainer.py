@@ -162,6 +162,18 @@ def check_step_settings(trainer: DictConfig) -> None:
                          f"only), got {freq!r}")
 
 
+def barrier() -> None:
+    """`dist.barrier()` where there is a process group; one rank without FSDP trains without one."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce(tensor: torch.Tensor) -> None:
+    """Sum `tensor` over the ranks in place (`dist.all_reduce`); without a process group it is this rank's already."""
+    if dist.is_initialized():
+        dist.all_reduce(tensor)
+
+
 def empty_files(files) -> list[str]:
     """The parquet files among `files` (a path or a list) that exist and hold no rows, when all of them do; stage 1
     writes an empty wm_val.parquet with data_gen.val_fraction=0."""
@@ -216,7 +228,7 @@ class SftTrainer:
             self.lock_output_dir()
             if not resume:
                 RUN_DIR.reset(self.out_dir, self.identity)
-        dist.barrier()
+        barrier()
         resumed = self._maybe_resume() if resume else 0
         if self.rank == 0:
             checkpoints.clean_staging(self.out_dir)
@@ -279,10 +291,15 @@ class SftTrainer:
             torch.cuda.set_device(self.local_rank)
         self.device = torch.device("cuda", self.local_rank) if use_cuda else torch.device("cpu")
         resolve_kernel_choices(self.cfg, use_cuda)
-        if not dist.is_initialized():
+        fsdp = self.cfg.trainer.get("fsdp", "auto")
+        self.fsdp = fsdp is True or (fsdp == "auto" and self.world_size > 1)
+        # One rank without FSDP sets up no process group: its collectives would reduce over itself alone, and on a
+        # GPU NCCL would build a communicator for them. A group the caller set up is used (the collectives then run).
+        if (self.fsdp or self.world_size > 1) and not dist.is_initialized():
             dist.init_process_group("nccl" if use_cuda else "gloo", init_method=self.init_method,
                                     rank=self.rank, world_size=self.world_size)
-        self.mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("fsdp",))
+        self.mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("fsdp",)) \
+            if self.fsdp else None
 
     def _build_data(self) -> None:
         from transformers import AutoTokenizer
@@ -328,9 +345,7 @@ class SftTrainer:
         self.loss_sum = fused_token_loss_sum if use_liger else token_loss_sum
         model = add_lora(model, mcfg, "model")
         self.lora_scale = mcfg.lora_alpha / mcfg.lora_rank if mcfg.lora_rank > 0 else None
-        fsdp = self.cfg.trainer.get("fsdp", "auto")
-        self.model, self.compute = place(model, self.mesh, self.device,
-                                         fsdp=fsdp is True or (fsdp == "auto" and self.world_size > 1))
+        self.model, self.compute = place(model, self.mesh, self.device, fsdp=self.fsdp)
 
     def _build_optimizer(self) -> None:
         from transformers import get_cosine_schedule_with_warmup
@@ -443,27 +458,31 @@ class SftTrainer:
                 loss = self.loss_sum(self.model, {k: v.to(self.device) for k, v in batch.items()})
             (loss * scale).backward()
             loss_sum += loss.detach()
+        all_reduce(loss_sum)
         lr = self.scheduler.get_last_lr()[0]
-        grad_norm = self._clip_and_step()
-        dist.all_reduce(loss_sum)
+        grad_norm, loss_sum = self._clip_and_step(loss_sum)
         real = sum(len(self.train_data[i]) for i in indices)
         slots = sum(b["input_ids"].numel() for rank_batches in batches for b in rank_batches)
         elapsed = time.perf_counter() - start
-        return {"train/loss": loss_sum.item() / max(n_loss, 1), "train/lr": lr,
+        return {"train/loss": loss_sum / max(n_loss, 1), "train/lr": lr,
                 "train/grad_norm": grad_norm, "train/tokens_per_s": real / elapsed,
                 "train/useful_token_fraction": real / slots, "train/loss_tokens": float(n_loss),
                 "train/step_s": elapsed}
 
-    def _clip_and_step(self) -> float:
-        """Clip to optim.clip_grad, step unless the norm is not finite (spec §9.2), advance the schedule."""
+    def _clip_and_step(self, loss_sum: torch.Tensor) -> tuple[float, float]:
+        """Clip to optim.clip_grad, step unless the norm is not finite (spec §9.2), advance the schedule. Returns the
+        gradient norm and `loss_sum` (a scalar on the device), read to the host together, before the optimizer
+        step: the step's one wait for the device, whose optimizer kernels then run while the host goes on."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.clip_grad)
-        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        # float64 holds any float32/bf16 value exactly: the same Python floats as float(norm) and loss_sum.item()
+        norm, loss_sum = torch.stack([norm.double(), loss_sum.double()]).tolist()
         if math.isfinite(norm):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return norm
+        return norm, loss_sum
 
     @torch.no_grad()
     def validate(self) -> float:
@@ -477,7 +496,7 @@ class SftTrainer:
             with self.compute():
                 totals[0] += self.loss_sum(self.model, {k: v.to(self.device) for k, v in batch.items()}).double()
             totals[1] += count_loss_tokens(batch)
-        dist.all_reduce(totals)
+        all_reduce(totals)
         return (totals[0] / totals[1].clamp(min=1)).item()
 
     def _log(self, metrics: dict[str, float], bar: tqdm) -> None:
@@ -511,9 +530,9 @@ class SftTrainer:
             torch.save(self.scheduler.state_dict(), state_dir / "scheduler.pt")
             if self.lora_scale is not None:
                 torch.save(trainable_state_dict(self.model, state), state_dir / "adapter.pt")
-        dist.barrier()
+        barrier()
         torch.save(torch.get_rng_state(), staging / checkpoints.TRAIN_STATE / f"rng_rank{self.rank}.pt")
-        dist.barrier()
+        barrier()
         final = checkpoints.step_dir(self.out_dir, self.global_step)
         if self.rank == 0:
             epoch, index = divmod(self.global_step, self.steps_per_epoch)
@@ -523,7 +542,7 @@ class SftTrainer:
             # older checkpoints lose their training state; their weights stay only if they closed an epoch
             keep = {checkpoints.TRAIN_STATE: self.cfg.trainer.max_ckpt_to_keep}
             checkpoints.commit(self.out_dir, self.global_step, keep, keep_rest=checkpoints.closed_an_epoch)
-        dist.barrier()
+        barrier()
         return final
 
     def _save_hf(self, directory: Path, state: dict[str, torch.Tensor]) -> None:

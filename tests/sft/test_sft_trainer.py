@@ -260,9 +260,9 @@ def _step_and_gradients(cfg, indices: list[int]) -> tuple[list[int], dict[str, f
         grads = {}
         step = trainer._clip_and_step
 
-        def record_then_step() -> float:
+        def record_then_step(*args) -> tuple[float, float]:
             grads.update({n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None})
-            return step()
+            return step(*args)
 
         trainer._clip_and_step = record_then_step
         sizes = [len(m) for m in trainer._plan(indices, trainer.train_data)[0]]
@@ -308,3 +308,29 @@ def test_smollm2_preset_sft_runs_a_whole_step_as_one_micro_batch():
             assert budgets[name] == 32768 == data.max_length * data.train_batch_size
     assert budgets == {name: 32768 if name == "smollm2-135m" else 4096 if name == "tiny" else 16384
                        for name in script_models()}
+
+
+def test_one_rank_without_a_process_group_trains_as_with_one(data_dir, tmp_path, monkeypatch):
+    """One rank without FSDP sets up no process group (on a GPU, NCCL would build a communicator for collectives
+    over one rank). Its losses, gradient norms and weights are bit for bit those of the same run with a gloo group
+    of one, set up by the caller, in which every barrier and all-reduce runs (float32, CPU); so are its validation
+    loss and the step's one read of the norm and the loss before the optimizer step."""
+    import torch.distributed as dist
+    from torch.distributed.elastic.utils.distributed import get_free_port
+
+    reductions = []
+    all_reduce = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, *a, **k: reductions.append(1) or all_reduce(tensor, *a, **k))
+    extra = ("trainer.total_training_steps=3", "trainer.save_freq=0")
+    run(compose(overrides(data_dir, tmp_path / "alone", *extra)))
+    assert not reductions and not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{get_free_port()}", rank=0, world_size=1)
+    run(compose(overrides(data_dir, tmp_path / "group", *extra)))  # its cleanup ends the group
+    assert len(reductions) == 3 + 1  # each step's loss, the validation's totals
+    alone, group = records(tmp_path / "alone"), records(tmp_path / "group")
+    keys = ("step", "train/loss", "train/grad_norm", "train/lr", "train/loss_tokens", "val/loss")
+    assert [[r.get(k) for k in keys] for r in alone] == [[r.get(k) for k in keys] for r in group]
+    assert alone[-1]["val/loss"] is not None
+    weights = [load_file(tmp_path / name / "global_step_3" / "model.safetensors") for name in ("alone", "group")]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][key], weights[1][key]) for key in weights[0])
