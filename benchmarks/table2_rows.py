@@ -20,6 +20,10 @@ difference of the rows' means with Welch's 95% interval (between-seed spread, wh
 leave out) and the exact permutation test of the seeds' labels (one-sided: ROW_A above; with 3 seeds a row, all
 three above all three has p = 1/20).
 
+Arms whose sweep ran with WM_EVAL=1 (benchmarks/smollm2_sweep.sh: `<sweep>/wm_eval/<arm>/eval.json`, beside
+`<sweep>/ppo/`) get one more table: their last checkpoint in the SFT's own prompts, success and the world model's
+accuracy, which a PPO in base prompts never shows.
+
 --onset LEVEL adds each arm's onset: the first validation step from which its success stays at or above LEVEL up to
 its last validation (e.g. the SFT-only model's success + 0.05). Seeds of one setting rose ~75 steps apart in the
 300-step study, so a row compared at one step can measure when its seeds rose more than where they go.
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import math
 import re
 import statistics
@@ -37,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from backend_curves import curve, wilson  # noqa: E402
-from study_curves import environment, read_folders  # noqa: E402
+from study_curves import environment, metrics_file, read_folders  # noqa: E402
 
 SEED = re.compile(r"(?P<row>.+)_s(?P<seed>\d+)")
 
@@ -154,6 +159,31 @@ def compare(arms: dict[str, list[dict]], first: str, second: str, step: int) -> 
             f"exact permutation test of the seeds: one-sided p = {one_sided:.3f}, two-sided p = {two_sided:.3f}")
 
 
+def world_model_evaluations(directories: list[Path]) -> dict[str, dict]:
+    """{arm: its eval.json} for the arms under `directories` (run folders or runs, as read_folders reads them) that
+    have a WM_EVAL evaluation: `<sweep>/wm_eval/<arm>/eval.json` for a run `<sweep>/ppo/<config>/<arm>`."""
+    found = {}
+    for directory in directories:
+        runs = [directory] if metrics_file(directory) else sorted(path for path in directory.glob("*") if path.is_dir())
+        for run in runs:
+            parents = run.resolve().parents
+            evaluation = parents[2] / "wm_eval" / run.name / "eval.json" if len(parents) > 2 else None
+            if evaluation is not None and evaluation.is_file():
+                found[run.name] = json.loads(evaluation.read_text())
+    return found
+
+
+def world_model_table(evaluations: dict[str, dict], env: str) -> str:
+    lines = ["| arm (last checkpoint, the SFT's own prompts) | success | observation exact | prediction exact |",
+             "|---|---|---|---|"]
+    for name, evaluation in evaluations.items():
+        metrics = evaluation["metrics"].get(env, {})
+        cells = [f"{metrics[key]:.3f}" if key in metrics else "" for key in
+                 ("success", "worldmodel/observation_exact", "worldmodel/prediction_exact")]
+        lines.append(f"| {name} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
 def onset(values: dict[int, float], level: float) -> int | None:
     """The first validation step from which success stays at or above `level` to the last one; None if none."""
     steps = sorted(values)
@@ -191,6 +221,9 @@ def main() -> None:
             print(f"\n{compare(arms, *args.compare, step)}")
         except ValueError as error:
             parser.exit(2, f"error: {error}\n")
+    evaluations = world_model_evaluations(args.directories)
+    if evaluations:
+        print(f"\n{world_model_table(evaluations, environment(arms))}")
     if args.onset is not None:
         print(f"\n{onsets(arms, args.onset)}")
 

@@ -97,3 +97,21 @@ def test_compare_gives_the_seeds_welch_interval_and_exact_permutation_test(tmp_p
     assert one_seed.stderr.strip() == "error: row spa has 1 seed(s) validated at step 25: at least 2 needed"
     unknown = run(tmp_path, "--compare", "spa", "vanilla")
     assert unknown.returncode == 2 and unknown.stderr.strip() == "error: no row named vanilla (rows: format, spa)"
+
+
+def test_wm_eval_evaluations_beside_the_runs_make_a_world_model_table(tmp_path):
+    """smollm2_sweep.sh's WM_EVAL writes <sweep>/wm_eval/<arm>/eval.json beside <sweep>/ppo/<config>/<arm>."""
+    runs = tmp_path / "table2_wm" / "ppo" / "_2_sokoban"
+    write_arm(runs, "grpo_guard_s3", {0: 0.0, 25: 0.4})
+    write_arm(runs, "grpo_guard_s4", {0: 0.0, 25: 0.3})  # stopped without an evaluation
+    evaluation = tmp_path / "table2_wm" / "wm_eval" / "grpo_guard_s3" / "eval.json"
+    evaluation.parent.mkdir(parents=True)
+    evaluation.write_text(json.dumps({"metrics": {"SimpleSokoban": {
+        "success": 0.25, "worldmodel/observation_exact": 0.9, "worldmodel/prediction_exact": 0.05}}}))
+    for directories in ([runs], [runs / "grpo_guard_s3", runs / "grpo_guard_s4"]):
+        done = run(*directories)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.endswith(
+            "| arm (last checkpoint, the SFT's own prompts) | success | observation exact | prediction exact |\n"
+            "|---|---|---|---|\n| grpo_guard_s3 | 0.250 | 0.900 | 0.050 |\n")
+    assert "| arm (last checkpoint" not in run(runs / "grpo_guard_s4").stdout  # no table without an evaluation
