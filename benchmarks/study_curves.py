@@ -41,17 +41,19 @@ def metrics_file(run: Path) -> Path | None:
     return next((path for path in (run / "metrics.jsonl", run / "metrics.jsonl.gz") if path.is_file()), None)
 
 
+def run_dirs(directory: Path) -> list[Path]:
+    """The runs a directory argument names: every `<arm>/` under `directory` that holds metrics.jsonl[.gz], or
+    `directory` alone where it is a run directory itself (one arm of a folder whose other arms are left out)."""
+    if metrics_file(directory):
+        return [directory]
+    return sorted(path for path in directory.glob("*") if path.is_dir() and metrics_file(path))
+
+
 def read_arms(directory: Path) -> dict[str, list[dict]]:
-    """{arm: its metrics records}, for every `<arm>/metrics.jsonl[.gz]` under `directory`, or for `directory` alone
-    where it is a run directory itself (one arm of a folder whose other arms are left out); a cut-short line
-    dropped."""
+    """{arm: its metrics records} for the runs of `directory` (`run_dirs`); a cut-short line dropped."""
     arms = {}
-    own = metrics_file(directory)
-    runs = [directory] if own else sorted(path for path in directory.glob("*") if path.is_dir())
-    for run in runs:
+    for run in run_dirs(directory):
         path = metrics_file(run)
-        if path is None:
-            continue
         text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
         records = []
         for line in text.splitlines():

@@ -42,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from backend_curves import curve, wilson  # noqa: E402
-from study_curves import environment, metrics_file, read_folders  # noqa: E402
+from study_curves import environment, read_folders, run_dirs  # noqa: E402
 
 SEED = re.compile(r"(?P<row>.+)_s(?P<seed>\d+)")
 
@@ -164,8 +164,7 @@ def world_model_evaluations(directories: list[Path]) -> dict[str, dict]:
     have a WM_EVAL evaluation: `<sweep>/wm_eval/<arm>/eval.json` for a run `<sweep>/ppo/<config>/<arm>`."""
     found = {}
     for directory in directories:
-        runs = [directory] if metrics_file(directory) else sorted(path for path in directory.glob("*") if path.is_dir())
-        for run in runs:
+        for run in run_dirs(directory):
             parents = run.resolve().parents
             evaluation = parents[2] / "wm_eval" / run.name / "eval.json" if len(parents) > 2 else None
             if evaluation is not None and evaluation.is_file():
