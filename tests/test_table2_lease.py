@@ -118,7 +118,7 @@ def test_the_studys_fourth_lease_runs_vanilla_rl_and_spa_in_its_own_prompts_unde
     """Table 2's Vanilla RL and SPA rows under the PPO of the grpo_guard rows (three seeds of each SFT), and seed 3
     of both grpo_guard rows."""
     guard = {name: overrides for name, _, overrides in study300_arms()[:4]}["grpo_guard"]
-    lease4 = {name: (start, overrides) for name, start, overrides in study300_arms()[14:]}
+    lease4 = {name: (start, overrides) for name, start, overrides in study300_arms()[14:20]}
     assert guard[0] == "ctx_manager.mode=base"
     seed3 = ["trainer.seed=3", "generator.seed=3"]
     assert lease4 == {
@@ -129,6 +129,13 @@ def test_the_studys_fourth_lease_runs_vanilla_rl_and_spa_in_its_own_prompts_unde
         "spa_grpo_guard": ("wm", ["ctx_manager.mode=add_worldmodel", *guard[1:],
                                   "actor_rollout_ref.rollout.compact_decode_rows=16", "trainer.seed=0",
                                   "generator.seed=0"])}
+
+
+def test_the_studys_fifth_lease_adds_seeds_4_to_6_of_both_grpo_guard_rows():
+    guard = {name: overrides for name, _, overrides in study300_arms()[:4]}["grpo_guard"]
+    lease5 = {name: (start, overrides) for name, start, overrides in study300_arms()[20:]}
+    assert lease5 == {f"{prefix}grpo_guard_s{seed}": (start, [*guard, f"trainer.seed={seed}", f"generator.seed={seed}"])
+                      for seed in (4, 5, 6) for prefix, start in [("", "wm"), ("format_", "nowm")]}
 
 
 @pytest.mark.parametrize("name, start, overrides", study300_arms(), ids=[a[0] for a in study300_arms()])
@@ -153,7 +160,7 @@ def test_the_300_step_studys_command_puts_two_arms_a_gpu_after_one_sft(tmp_path)
 
 @pytest.mark.parametrize("lease, wm_gpus, nowm_gpus, base_gpus",
                          [("## Lease 2", "0 0", "1 1 0 1", None), ("## Lease 3", "0 1 0", "1 0 1", None),
-                          ("## Lease 4", "0 1", "1", "0 0 1")])
+                          ("## Lease 4", "0 1", "1", "0 0 1"), ("## Lease 5", "0 0 1", "1 1 0", None)])
 def test_the_300_step_studys_later_leases_put_three_arms_a_gpu_each_with_its_share(tmp_path, lease, wm_gpus,
                                                                                     nowm_gpus, base_gpus):
     """Their README's commands: the world-model SFT on GPU 0, the format-only SFT on GPU 1, three arms on each GPU,
