@@ -5,8 +5,8 @@
 
 `--test one_turn` is test_ppo_learns_the_bandit_from_chance (its estimators: VARIANTS), `--test three_turn` is
 test_ppo_learns_a_three_turn_bandit (the config's estimator, gae). Makes the test's SFT checkpoint once (in
---out/<test>; both tests start from the same one-turn checkpoint, so a copy of the other's sft_checkpoint.txt
-there saves making it again), then runs the test's PPO for every estimator × seed × thread count, each in its own process
+--out/<test>; both tests' checkpoints learn from the same one-turn data, the three-turn one at a lower lr), then
+runs the test's PPO for every estimator × seed × thread count, each in its own process
 (`trainer.seed` and `generator.seed`: the critic's initialisation and the sampling; `torch.set_num_threads`), and
 prints the validation success by step and whether the last step reached the test's target, then a markdown table
 (docs/ppo.md "Seed table"). Runs already in --out are read back, not rerun. `--override KEY=VALUE` (repeatable)
@@ -32,6 +32,7 @@ from test_learning import (  # noqa: E402
     CONFIG,
     MULTI_TURN,
     MULTI_TURN_PPO,
+    MULTI_TURN_SFT,
     MULTI_TURN_TARGET,
     SUCCESS,
     TARGET,
@@ -59,8 +60,8 @@ class LearningTest(NamedTuple):
 
 TESTS = {
     "one_turn": LearningTest([], [], VARIANTS, TARGET),
-    # from the one-turn test's SFT checkpoint, as the test (its own three-turn SFT is gone, docs/ppo.md "Multi-turn")
-    "three_turn": LearningTest([], [], {"gae": [*MULTI_TURN, *MULTI_TURN_PPO]}, MULTI_TURN_TARGET),
+    # from an SFT checkpoint of the one-turn data at MULTI_TURN_SFT's lr, as the test (docs/ppo.md "Seed table")
+    "three_turn": LearningTest([], MULTI_TURN_SFT, {"gae": [*MULTI_TURN, *MULTI_TURN_PPO]}, MULTI_TURN_TARGET),
 }
 
 
