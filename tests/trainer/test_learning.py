@@ -52,8 +52,9 @@ MULTI_TURN = ["custom_envs.Bandit.env_config.num_pulls=3", "custom_envs.Bandit.m
               "agent_proxy.max_turn=3"]
 #: the three-turn test's SFT: the one-turn data and recipe at lr 3e-3, not the recipe's 1e-2. At 1e-2 the SFT is
 #: chaotic: CPU kernels that round differently (AVX2 against AVX-512) give checkpoints that write different answers
-#: in three-turn prompts, and from the AVX-512 one (`<answer>Blue</>`) the test failed on seeds 0-4 (0.00 at step
-#: 16). At 3e-3 both kernel paths sample the same answers (docs/ppo.md "Seed table"). The one-turn tests keep 1e-2.
+#: in three-turn prompts, and from the AVX-512 ones (`<answer>Blue</>`) the test failed with every SFT seed tried
+#: (1-4: 0.00 at step 16). At 3e-3 both kernel paths sample the same answers (docs/ppo.md "Multi-turn"). The one-turn
+#: tests keep 1e-2.
 MULTI_TURN_SFT = ["optim.lr=3e-3"]
 #: from that checkpoint its step-0 success is 0.02-0.08 on seeds 0-4; GAE at the config's lr must reach this in
 #: 16 steps (0.83 to 0.95 on seeds 0-4 with either kernel path), validated before training and at the last step only
