@@ -159,10 +159,12 @@ def test_fsdp_setting_is_checked(data_dir, tmp_path, value, ranks, message):
 @pytest.mark.slow
 def test_two_process_torchrun_matches_one_process(full_run, data_dir, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    logs = tmp_path / "ranks"  # each rank's own output, which the launcher's traceback pushes out of its stderr
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               "-m", "sft.spa_sft_trainer", *overrides(data_dir, tmp_path)]
+               f"--log-dir={logs}", "--redirects=3", "-m", "sft.spa_sft_trainer", *overrides(data_dir, tmp_path)]
     result = subprocess.run(command, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = "".join(f"\n--- {log.relative_to(logs)}:\n{log.read_text()[-1500:]}" for log in sorted(logs.rglob("*.log")))
+    assert result.returncode == 0, result.stderr[-1500:] + ranks
     for a, b in zip(records(full_run), records(tmp_path), strict=True):
         assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-4)
         assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-3)
