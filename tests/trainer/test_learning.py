@@ -131,8 +131,8 @@ def run_overrides(name: str) -> list[str]:
 
 
 def run_checkpoint(name: str) -> str:
-    """The SFT checkpoint (SFT_CHECKPOINTS) a learning test's run starts from."""
-    return "three_turn" if name == "three_turn" else "one_turn"
+    """The SFT checkpoint (SFT_CHECKPOINTS) a learning test's run starts from: its own, else the one-turn one."""
+    return name if name in SFT_CHECKPOINTS else "one_turn"
 
 
 def learning_runs(directory: Path, tests: list[tuple[str, dict]]) -> dict:
