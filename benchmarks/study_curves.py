@@ -12,13 +12,20 @@ state blocks), the critic's explained variance, the step's seconds and, on a GPU
 process held, and in add_worldmodel prompts the validation's world-model accuracy (the share of turns whose written
 observation, and prediction, is exactly the true current and next state; no interval: its count is turns, not
 episodes) (panels no arm logs are left out). Prints the validation success per arm and step as a markdown table,
-with the intervals, and each arm's last step."""
+with the intervals, and each arm's last step.
+
+--by-row colours the arms by row, for many seeds of few settings: the arms `<row>_s<seed>` of one row (as in
+table2_rows.py) share a colour and one legend entry, and the validation success panel draws each row's mean over
+its seeds with a 95% Wilson interval over the pooled episodes (seeds × --val-episodes): bold while every seed of the
+row is in it, dashed from where seeds that stopped earlier drop out (at least two left); the seeds' own validation
+curves are thin lines without intervals."""
 
 from __future__ import annotations
 
 import argparse
 import gzip
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -92,6 +99,31 @@ def read_folders(parser: argparse.ArgumentParser, directories: list[Path]) -> di
     return arms
 
 
+SEED = re.compile(r"(?P<row>.+)_s(?P<seed>\d+)")
+
+
+def rows_of(arms: dict[str, list[dict]]) -> dict[str, list[str]]:
+    """{row: its arms}, in the order the rows first appear; an arm without `_s<seed>` is a row of its own."""
+    rows: dict[str, list[str]] = {}
+    for name in arms:
+        match = SEED.fullmatch(name)
+        rows.setdefault(match["row"] if match else name, []).append(name)
+    return rows
+
+
+def row_means(arms: dict[str, list[dict]], names: list[str], key: str) -> dict[int, tuple[float, int]]:
+    """{step: (the mean of `key` over the arms `names` that logged it there, how many did)} at the steps where at
+    least two of them did (all of them for a row of one arm)."""
+    values = [curve(arms[name], key) for name in names]
+    least = min(2, len(names))
+    means = {}
+    for step in sorted({step for v in values for step in v}):
+        logged = [v[step] for v in values if step in v]
+        if len(logged) >= least:
+            means[step] = (sum(logged) / len(logged), len(logged))
+    return means
+
+
 def panels(arms: dict[str, list[dict]]) -> list[tuple[str, str]]:
     env = environment(arms)
     logged = {key for records in arms.values() for record in records for key in record}
@@ -121,27 +153,47 @@ def main() -> None:
     parser.add_argument("directories", type=Path, nargs="+", help="folders holding one run directory per arm, or run directories (one arm each)")
     parser.add_argument("--out", type=Path, default=Path("curves.png"))
     parser.add_argument("--val-episodes", type=int, default=512, help="episodes per validation (the interval's n)")
+    parser.add_argument("--by-row", action="store_true",
+                        help="one colour per row (<row>_s<seed>) and the row's mean validation success over its seeds")
     args = parser.parse_args()
     arms = read_folders(parser, args.directories)
     drawn = panels(arms)
     import matplotlib.pyplot as plt
 
     fig, axes = panel_grid(len(drawn), min(4, len(drawn)))
-    colours = dict(zip(arms, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4))
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4
+    rows = rows_of(arms) if args.by_row else {name: [name] for name in arms}
+    colours = {name: palette[i] for i, names in enumerate(rows.values()) for name in names}
+    labels = {names[0]: f"{row} ({len(names)} seeds)" if args.by_row else row for row, names in rows.items()}
     for ax, (key, title) in zip(axes, drawn):
+        validation = key.startswith("val-env/")
+        success = validation and key.endswith("/success")  # the interval's n is episodes
         for name, records in arms.items():
             values = curve(records, key)
             steps, ys = list(values), list(values.values())
-            validation = key.startswith("val-env/")
-            ax.plot(steps, ys, marker="o" if validation else None, ms=3, lw=1.2 if validation else 0.8,
-                    color=colours[name], label=name, alpha=0.85)
-            if key.endswith("/success") and validation:  # the interval's n is episodes
+            ax.plot(steps, ys, marker="o" if validation and not args.by_row else None, ms=3,
+                    lw=1.2 if validation and not args.by_row else 0.8, color=colours[name],
+                    label=labels.get(name), alpha=0.85)
+            if success and not args.by_row:
                 bounds = [wilson(y, args.val_episodes) for y in ys]
                 ax.fill_between(steps, [b[0] for b in bounds], [b[1] for b in bounds], color=colours[name],
                                 alpha=0.12)
+        for names in rows.values() if args.by_row and success else ():
+            means = row_means(arms, names, key)
+            steps = list(means)
+            ys, counts = [means[s][0] for s in steps], [means[s][1] for s in steps]
+            whole = [i for i, n in enumerate(counts) if n == len(names)]  # solid while every seed is in the mean
+            cut = whole[-1] + 1 if whole else 0
+            ax.plot(steps[:cut], ys[:cut], marker="o", ms=4, lw=2.4, color=colours[names[0]])
+            ax.plot(steps[max(cut - 1, 0):], ys[max(cut - 1, 0):], marker="o", ms=3, lw=1.6, ls="--",
+                    color=colours[names[0]])
+            bounds = [wilson(y, args.val_episodes * n) for y, n in zip(ys, counts)]
+            ax.fill_between(steps, [b[0] for b in bounds], [b[1] for b in bounds], color=colours[names[0]], alpha=0.15)
         if key == "critic/vf_explained_var":  # returns that barely vary (no success yet) give any large negative
             ax.set_ylim(max(ax.get_ylim()[0], -1.0), 1.0)
             title += " (from −1)"
+        if success and args.by_row:
+            title += ": each seed, and the row's mean"
         ax.set_title(title)
         ax.set_xlabel("PPO step")
     axes[0].legend(fontsize=7)

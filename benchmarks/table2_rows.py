@@ -35,25 +35,13 @@ import argparse
 import itertools
 import json
 import math
-import re
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from backend_curves import curve, wilson  # noqa: E402
-from study_curves import environment, read_folders, run_dirs  # noqa: E402
-
-SEED = re.compile(r"(?P<row>.+)_s(?P<seed>\d+)")
-
-
-def rows_of(arms: dict[str, list[dict]]) -> dict[str, list[str]]:
-    """{row: its arms}, in the order the rows first appear; an arm without `_s<seed>` is a row of its own."""
-    rows: dict[str, list[str]] = {}
-    for name in arms:
-        match = SEED.fullmatch(name)
-        rows.setdefault(match["row"] if match else name, []).append(name)
-    return rows
+from study_curves import environment, read_folders, rows_of, run_dirs  # noqa: E402
 
 
 def common_step(arms: dict[str, list[dict]], key: str) -> int:

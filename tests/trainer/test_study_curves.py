@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "study_curves.py"
 
@@ -132,3 +134,31 @@ def test_a_gzip_compressed_metrics_file_reads_as_the_plain_one(tmp_path):
     tables = [subprocess.run([sys.executable, str(SCRIPT), str(folder), "--out", str(tmp_path / "c.png")],
                              capture_output=True, text=True, check=True).stdout for folder in (plain, packed)]
     assert tables[0] == tables[1] and "| gae | 0.035 [0.022, 0.055] | 0.250 [0.214, 0.289] | 30 |" in tables[1]
+
+
+def test_by_row_draws_each_rows_mean_over_the_steps_all_its_seeds_reached(tmp_path):
+    """--by-row: the arms `<row>_s<seed>` of a row share a colour, and the row's mean validation success at a step
+    is over the seeds that validated there, with their count; a step with fewer than two is left out."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import study_curves
+
+    write_arm(tmp_path, "spa_s0", 0.30, 30, critic=False)
+    write_arm(tmp_path, "spa_s1", 0.40, 30, critic=False)
+    write_arm(tmp_path, "format_s0", 0.20, 30, critic=False)
+    write_arm(tmp_path, "format_s1", 0.22, 20, critic=False)  # stopped before its step-25 validation
+    write_arm(tmp_path, "format_s2", 0.30, 30, critic=False)
+    write_arm(tmp_path, "vanilla", 0.0, 26, critic=False)
+    arms = study_curves.read_arms(tmp_path)
+    rows = study_curves.rows_of(arms)
+    assert rows == {"format": ["format_s0", "format_s1", "format_s2"], "spa": ["spa_s0", "spa_s1"],
+                    "vanilla": ["vanilla"]}
+    key = "val-env/SimpleSokoban/success"
+    assert study_curves.row_means(arms, rows["spa"], key) == {0: (pytest.approx(0.035), 2), 25: (pytest.approx(0.35), 2)}
+    assert study_curves.row_means(arms, rows["format"], key) == {0: (pytest.approx(0.035), 3), 25: (pytest.approx(0.25), 2)}
+    assert study_curves.row_means(arms, rows["vanilla"], key) == {0: (0.035, 1), 25: (0.0, 1)}
+    # two arms of which only one validated at step 25: the mean of one seed is not drawn there
+    assert study_curves.row_means(arms, ["spa_s0", "format_s1"], key) == {0: (pytest.approx(0.035), 2)}
+    result = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "--out", str(tmp_path / "rows.png"),
+                             "--by-row"], capture_output=True, text=True, check=True)
+    assert "| spa_s1 | 0.035 [0.022, 0.055] | 0.400 [0.358, 0.443] | 30 |" in result.stdout.splitlines()
+    assert (tmp_path / "rows.png").stat().st_size > 0
