@@ -187,6 +187,40 @@ def test_the_300_step_studys_later_leases_put_three_arms_a_gpu_each_with_its_sha
     assert cfg.trainer.cuda_memory_fraction * 3 < 1 and cfg.generator.batch_size == 256  # validation: 2 x 256 rows
     assert cfg.generator.max_batch_tokens is None
 
+def test_the_300_step_studys_lease_script_runs_its_readmes_next_lease(tmp_path):
+    """lease.sh with the README's lease 6 command (BENCH=0: the benchmarks need a GPU): each SFT on a GPU of its own
+    (a sweep's first GPU), the arms placed as named, every arm with lease.sh's sharing overrides, STEPS through to the
+    sweeps, and the world model evaluated after PPO."""
+    study = REPO / "docs" / "results" / "smollm2_study300"
+    readme = (study / "README.md").read_text()
+    command = readme[readme.index("## Lease 6"):]
+    arms, steps = re.search(r'ARMS="([^"]+)"', command).group(1), re.search(r"STEPS=(\d+)", command).group(1)
+    overrides = re.search(r'(?<!_)OVERRIDES="([^"]+)"', (study / "lease.sh").read_text()).group(1)  # not SFT_'s
+    repo, work = tmp_path / "repo", tmp_path / "work"
+    (repo / "benchmarks").mkdir(parents=True)
+    shutil.copytree(HERE, repo / "docs" / "results" / "smollm2_table2", ignore=shutil.ignore_patterns("lease*"))
+    (repo / "docs" / "results" / "smollm2_study300").mkdir()
+    for name in ("lease.sh", "arms.txt"):
+        shutil.copy(study / name, repo / "docs" / "results" / "smollm2_study300" / name)
+    (repo / "benchmarks" / "smollm2_sweep.sh").write_text(SWEEP_STUB)
+    env = {**ENV, "MODEL": "tiny", "WORK": str(work), "BENCH": "0", "ARMS": arms, "STEPS": steps,
+           "PATH": with_gpus(tmp_path, 2)}
+    lease = subprocess.run(["bash", "docs/results/smollm2_study300/lease.sh"], cwd=repo, env=env, capture_output=True,
+                           text=True, timeout=60)
+    assert lease.returncode == 0, lease.stderr
+    logs = {start: work / f"table2_{start}" / "logs" for start in ("wm", "nowm")}
+    assert (logs["wm"] / "gpu_ids").read_text().split() == ["0", "0", "1"]  # grpo_guard_s4, s5, s6
+    assert (logs["nowm"] / "gpu_ids").read_text().split() == ["1", "0"]  # format_grpo_guard_s4, s5
+    assert not (work / "table2_base").exists()
+    for start, log in logs.items():
+        assert (log / "steps").read_text().strip() == steps == "275"
+        assert (log / "wm_eval").read_text().strip() == ("1" if start == "wm" else "0")
+        settings = [line for line in (log / "settings").read_text().splitlines() if line]
+        assert len(settings) == (3 if start == "wm" else 2)
+        assert all(line.endswith(overrides) for line in settings)
+    assert "config=_2_sokoban gpus=2" in (work / "out" / "progress.txt").read_text()
+
+
 def test_a_sweep_with_wait_for_is_ready_after_its_stages_then_adds_the_gate_after_each_arms_overrides(tmp_path):
     out, gate = tmp_path / "sweep", tmp_path / "gate.txt"
     (out / "ppo" / "_2_sokoban" / "a" / "global_step_2" / "actor").mkdir(parents=True)  # as if the arm had saved
@@ -245,6 +279,7 @@ mkdir -p "$OUT/logs"
 echo "$GPU_IDS" > "$OUT/logs/gpu_ids"
 printf '%s' "$SETTINGS" > "$OUT/logs/settings"
 echo "$WM_EVAL" > "$OUT/logs/wm_eval"
+echo "$STEPS" > "$OUT/logs/steps"
 if [ -n "${BENCH_MARK:-}" ]; then  # whether the kernels' benchmark had ended when this sweep started
     if [ -e "$BENCH_MARK" ]; then echo after; else echo before; fi > "$OUT/logs/started_bench"
 fi

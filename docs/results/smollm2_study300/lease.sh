@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# A lease of the 300-step study from lease 5 on (README.md beside this file): issue 42's two open measurements first,
+# on the fresh machine, then the arms ARMS through ../smollm2_table2/job.sh. The calling lease has joined the GGUF into
+# /tmp/smol.gguf, installed the wheels into /tmp/site and copied the tree to /tmp/repo (job.sh's header), and starts
+# this script with setsid from /tmp/repo. Lease 5 ran it as lease5.sh (commit 07f218a) with BENCH=0.
+#
+#   BENCH=1 (default) first runs issue 42's benchmarks, into /tmp/out/b42/ and /tmp/out/ppo_0.5b.{json,log}:
+#     benchmarks/smollm2_step.sh /tmp/out/b42   the SFT epoch of the preset's recipe (its data made there) and the step
+#     benchmarks/ppo_step.py --model 0.5b       the 0.5B shape's step, 3 repeats
+#   on GPU 0 one after the other, or on a host of two or more GPUs side by side, the second on GPU 1 (~3 minutes).
+#   Then job.sh with ARMS (required, e.g. "grpo_guard_s4@0 format_grpo_guard_s4@1") and the study's sharing
+#   overrides; STEPS (job.sh's, 300) and the rest of job.sh's settings pass through the environment (WORK, /tmp: the
+#   benchmarks' out/ is job.sh's). Its progress goes to /tmp/out/progress.txt as in every lease, with one line for
+#   each benchmark.
+set -uo pipefail
+: "${ARMS:?ARMS names the arms of arms.txt this lease runs}"
+export PYTHONPATH="/tmp/site:${PWD}" SPA_SMOLLM2_GGUF=/tmp/smol.gguf PATH="/tmp/site/bin:$PATH" \
+    HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+O="${WORK:-/tmp}/out"
+mkdir -p "$O"
+p() { echo "$(date -u +%T) $*" >> "$O/progress.txt"; }
+
+sft_epoch() {
+    SFT_OVERRIDES="$(python -m SPA_agent.model_presets lookup smollm2-135m sft_defaults) trainer.total_epochs=1" \
+        CUDA_VISIBLE_DEVICES=0 bash benchmarks/smollm2_step.sh "$O/b42" > "$O/b42.log" 2>&1
+    p "bench: smollm2_step.sh rc=$? $(tr '\t\n' ' ;' < "$O/b42/times.tsv")"
+}
+step_0_5b() {
+    CUDA_VISIBLE_DEVICES="$1" python benchmarks/ppo_step.py --model 0.5b --repeats 3 --json "$O/ppo_0.5b.json" \
+        > "$O/ppo_0.5b.log" 2>&1
+    p "bench: ppo_step.py --model 0.5b on GPU $1 rc=$? $(grep -o '"seconds": [0-9.]*' "$O/ppo_0.5b.log" | tail -1)"
+}
+if [ "${BENCH:-1}" = 1 ]; then
+    gpus=$(nvidia-smi --list-gpus 2>/dev/null | grep -c GPU)
+    p "bench: issue 42's SFT epoch and 0.5B step on $gpus GPU(s)"
+    if [ "$gpus" -ge 2 ]; then
+        sft_epoch & step_0_5b 1; wait
+    else
+        sft_epoch; step_0_5b 0
+    fi
+fi
+WM_EVAL=1 GATE=off ARMS_FILE=docs/results/smollm2_study300/arms.txt \
+    OVERRIDES="trainer.stop_after_uniform_scores=20 trainer.cuda_memory_fraction=0.3 generator.batch_size=256 generator.max_batch_tokens=null actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384 critic.ppo_max_token_len_per_gpu=16384" \
+    ARMS="$ARMS" REPO="$PWD" bash docs/results/smollm2_table2/job.sh
