@@ -219,6 +219,9 @@ def test_the_300_step_studys_lease_script_runs_its_readmes_next_lease(tmp_path):
         assert len(settings) == (3 if start == "wm" else 2)
         assert all(line.endswith(overrides) for line in settings)
     assert "config=_2_sokoban gpus=2" in (work / "out" / "progress.txt").read_text()
+    cfg = compose("_2_sokoban", ["model=smollm2-135m", *SWEEP, *study300_arms()[-1][2], *overrides.split()])
+    check_config(cfg)
+    assert cfg.trainer.log_val_generations == 8 and cfg.trainer.cuda_memory_fraction * 3 < 1
 
 
 def test_a_sweep_with_wait_for_is_ready_after_its_stages_then_adds_the_gate_after_each_arms_overrides(tmp_path):

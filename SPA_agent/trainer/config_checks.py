@@ -40,7 +40,7 @@ NUMBERS = (
     ("algorithm.kl_ctrl.kl_coef", 0, None, False),
     ("trainer.diagnostics.mi_freq", 0, None, True), ("trainer.diagnostics.mi_samples", 0, None, True),
     ("trainer.max_wall_s", 0, None, False), ("trainer.cuda_memory_fraction", 0, 1, False),
-    ("trainer.stop_after_uniform_scores", 1, None, True),
+    ("trainer.stop_after_uniform_scores", 1, None, True), ("trainer.log_val_generations", 0, None, True),
     ("actor_rollout_ref.actor.sft_aux_coef", 0, None, False), ("actor_rollout_ref.actor.sft_aux_rows", 1, None, True),
     ("generator.prefill_chunk_tokens", 1, None, True), ("generator.compact_decode_rows", 0, None, True),
 )

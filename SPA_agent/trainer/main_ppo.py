@@ -5,7 +5,8 @@
     python -m SPA_agent.trainer.main_ppo --config-name _3_frozen_lake model=tiny      # CPU smoke run
 
 Outputs go to `trainer.default_local_dir`: `config.yaml` (the composed config), `metrics.jsonl` (one line per
-step), `global_step_<s>/{actor,critic}` checkpoints and `latest_checkpointed_iteration.txt`. A rerun with the
+step), `global_step_<s>/{actor,critic}` checkpoints and `latest_checkpointed_iteration.txt`; with
+`trainer.log_val_generations` also `val_generations.jsonl` (validation trajectories as text). A rerun with the
 same directory resumes from the latest checkpoint (`trainer.resume_mode=auto`) when its `run_identity.json`
 matches (same settings and starting model), and is refused otherwise; `trainer.resume_mode=disable` starts fresh.
 With `trainer.max_wall_s` the run stops with a checkpoint once that much training time has passed and exits with
@@ -51,7 +52,7 @@ RUN_DIR = TrainerDir.declare(
     ignored=("trainer.resume_mode", "trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep", "model_path",
              "actor_rollout_ref.model.path", "critic.model.path", "system", "output_root", "data_gen", "evaluation",
              "trainer.diagnostics", "trainer.max_wall_s", "trainer.save_merged_lora",
-             "trainer.stop_after_uniform_scores"),
+             "trainer.stop_after_uniform_scores", "trainer.log_val_generations"),
     fresh_hint="pass trainer.resume_mode=disable")
 #: metrics of a step shown on its console line (trainer.logger contains console)
 CONSOLE_KEYS = ("critic/score/mean", "actor/pg_loss", "critic/vf_loss", "actor/entropy", "timing_s/step")

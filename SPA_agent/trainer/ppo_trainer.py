@@ -32,6 +32,7 @@ from verl import DataProto
 from verl.trainer.ppo import core_algos
 
 from SPA_agent.runs import checkpoints
+from SPA_agent.runs.generations_log import GenerationsLog
 from SPA_agent.runs.metrics_logger import MetricsLogger
 from SPA_agent.runs.progress import plain_line, progress_bar
 from SPA_agent.selfplay.worldmodel import worldmodel_accuracy
@@ -79,6 +80,7 @@ class PPOTrainer:
         self.cfg, self.backend, self.proxy, self.logger = cfg, backend, proxy, logger
         self.diagnostics = diagnostics
         self.output_dir = Path(cfg.trainer.default_local_dir)
+        self.generations = GenerationsLog(self.output_dir, cfg.trainer.get("log_val_generations") or 0)
         self.total_steps = int(cfg.trainer.total_training_steps)
         self.kl_ctrl = core_algos.get_kl_controller(cfg.algorithm.kl_ctrl)
         self.use_critic = algos.needs_critic(cfg.algorithm.adv_estimator)
@@ -97,7 +99,7 @@ class PPOTrainer:
         started, max_wall_s = time.monotonic(), trainer_cfg.get("max_wall_s")
         max_uniform = trainer_cfg.get("stop_after_uniform_scores")
         if self.global_step == 0 and trainer_cfg.val_before_train and trainer_cfg.test_freq > 0:
-            self.logger.log(self.validate(), step=0)
+            self.logger.log(self.validate(step=0), step=0)
         steps = range(self.global_step + 1, self.total_steps + 1)
         for step in progress_bar(steps, desc="ppo", initial=self.global_step, total=self.total_steps, lines=False):
             timer = PhaseTimer(report=lambda phase, seconds, step=step: _report_phase(step, phase, seconds),
@@ -108,7 +110,7 @@ class PPOTrainer:
                 last = step == self.total_steps or signal_lost
                 if trainer_cfg.test_freq > 0 and (step % trainer_cfg.test_freq == 0 or last):
                     with timer("testing"):
-                        metrics.update(self.validate())
+                        metrics.update(self.validate(step))
                 self.global_step = step
                 out_of_time = max_wall_s is not None and time.monotonic() - started >= max_wall_s and not last
                 if (trainer_cfg.save_freq > 0 and step % trainer_cfg.save_freq == 0) or last or out_of_time:
@@ -205,14 +207,17 @@ class PPOTrainer:
         return metrics
 
     @torch.no_grad()
-    def validate(self) -> dict[str, float]:
+    def validate(self, step: int | None = None) -> dict[str, float]:
         """`validation_steps` validation rollouts (same seeds each time), env metrics and rollout diagnostics
         averaged, as `val-env/*`; in add_worldmodel prompts also the world model's accuracy
         (`val-env/<Tag>/worldmodel/*`: its observations and predictions against the true states), so a run cut
-        short still has it at its last validation."""
+        short still has it at its last validation. With a `step`, the first rollout's trajectories that
+        trainer.log_val_generations asks for go to val_generations.jsonl as text."""
         runs = []
-        for _ in range(self.cfg.trainer.validation_steps):
+        for index in range(self.cfg.trainer.validation_steps):
             rollout = self.proxy.rollout(val=True)
+            if index == 0 and step is not None:
+                self.generations.log(step, rollout.states)
             metrics = self._rollout_metrics(rollout)
             if self.proxy.ctx.mode == "add_worldmodel":
                 metrics.update(worldmodel_accuracy(rollout.states))
@@ -241,6 +246,7 @@ class PPOTrainer:
         step = checkpoints.latest_step(self.output_dir)
         if step is None:  # stopped before its first checkpoint: the run starts over and logs step 0 again
             self.logger.truncate_after(-1)
+            self.generations.truncate_after(-1)
             return 0
         self.backend.load(checkpoints.step_dir(self.output_dir, step))
         state = checkpoints.load_trainer_state(self.output_dir, step)
@@ -250,6 +256,7 @@ class PPOTrainer:
         checkpoints.set_rng_state(state["rng"])
         self.global_step = step
         self.logger.truncate_after(step)
+        self.generations.truncate_after(step)
         tqdm.write(f"resumed from {checkpoints.step_dir(self.output_dir, step)}")
         return step
 

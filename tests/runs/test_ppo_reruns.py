@@ -90,6 +90,14 @@ def test_fresh_run_removes_only_the_stage_outputs(finished_run):
     assert run_identity.check(finished_run, identity, "x")
 
 
+def test_settings_that_never_change_training_leave_the_identity_alone(tmp_path):
+    base = run_identity_of(config(tmp_path))
+    for setting in ("trainer.log_val_generations=8", "trainer.stop_after_uniform_scores=20", "trainer.max_wall_s=60",
+                    "trainer.diagnostics.mi_freq=0"):
+        assert run_identity_of(config(tmp_path, setting)) == base, setting
+    assert run_identity_of(config(tmp_path, "trainer.seed=1")) != base
+
+
 def test_more_steps_continue_a_run_unless_the_schedule_depends_on_them(tmp_path):
     base = run_identity_of(config(tmp_path))
     assert run_identity_of(config(tmp_path, "trainer.total_training_steps=5")) == base

@@ -9,9 +9,10 @@
 #     benchmarks/ppo_step.py --model 0.5b       the 0.5B shape's step, 3 repeats
 #   on GPU 0 one after the other, or on a host of two or more GPUs side by side, the second on GPU 1 (~3 minutes).
 #   Then job.sh with ARMS (required, e.g. "grpo_guard_s4@0 format_grpo_guard_s4@1") and the study's sharing
-#   overrides; STEPS (job.sh's, 300) and the rest of job.sh's settings pass through the environment (WORK, /tmp: the
-#   benchmarks' out/ is job.sh's). Its progress goes to /tmp/out/progress.txt as in every lease, with one line for
-#   each benchmark.
+#   overrides, with eight validation puzzles' trajectories as text in each run's val_generations.jsonl (from lease 6
+#   on: lease 5's world-model arms wrote twice as long, and only the metrics were there to say so). STEPS (job.sh's,
+#   300) and the rest of job.sh's settings pass through the environment (WORK, /tmp: the benchmarks' out/ is
+#   job.sh's). Its progress goes to /tmp/out/progress.txt as in every lease, with one line for each benchmark.
 set -uo pipefail
 : "${ARMS:?ARMS names the arms of arms.txt this lease runs}"
 export PYTHONPATH="/tmp/site:${PWD}" SPA_SMOLLM2_GGUF=/tmp/smol.gguf PATH="/tmp/site/bin:$PATH" \
@@ -40,5 +41,5 @@ if [ "${BENCH:-1}" = 1 ]; then
     fi
 fi
 WM_EVAL=1 GATE=off ARMS_FILE=docs/results/smollm2_study300/arms.txt \
-    OVERRIDES="trainer.stop_after_uniform_scores=20 trainer.cuda_memory_fraction=0.3 generator.batch_size=256 generator.max_batch_tokens=null actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384 critic.ppo_max_token_len_per_gpu=16384" \
+    OVERRIDES="trainer.log_val_generations=8 trainer.stop_after_uniform_scores=20 trainer.cuda_memory_fraction=0.3 generator.batch_size=256 generator.max_batch_tokens=null actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384 critic.ppo_max_token_len_per_gpu=16384" \
     ARMS="$ARMS" REPO="$PWD" bash docs/results/smollm2_table2/job.sh
