@@ -187,15 +187,19 @@ def test_the_300_step_studys_later_leases_put_three_arms_a_gpu_each_with_its_sha
     assert cfg.trainer.cuda_memory_fraction * 3 < 1 and cfg.generator.batch_size == 256  # validation: 2 x 256 rows
     assert cfg.generator.max_batch_tokens is None
 
-def test_the_300_step_studys_lease_script_runs_its_readmes_next_lease(tmp_path):
-    """lease.sh with the README's lease 6 command (BENCH=0: the benchmarks need a GPU): each SFT on a GPU of its own
-    (a sweep's first GPU), the arms placed as named, every arm with lease.sh's sharing overrides, STEPS through to the
-    sweeps, and the world model evaluated after PPO."""
+#: issue 42's benchmarks as lease.sh runs them, stubbed: each records its GPU (and the SFT its limit and overrides)
+BENCH_STUBS = {
+    "smollm2_step.sh": 'mkdir -p "$1"; echo "$CUDA_VISIBLE_DEVICES $SFT_TIMEOUT $SFT_OVERRIDES" > "$1/env"\n'
+                       'printf "sft\\t55.0\\t0\\n" > "$1/times.tsv"\n',
+    "ppo_step.py": "import os\nopen(os.environ['WORK'] + '/out/ppo_env', 'w').write(os.environ['CUDA_VISIBLE_DEVICES'])\n"
+                   "print('{\"seconds\": 19.5}')\n",
+}
+
+
+def run_lease_script(tmp_path: Path, **env: str) -> tuple[Path, Path]:
+    """lease.sh in a copy of the tree with the sweep and the benchmarks stubbed, on a host of two GPUs; (work dir,
+    the study's folder)."""
     study = REPO / "docs" / "results" / "smollm2_study300"
-    readme = (study / "README.md").read_text()
-    command = readme[readme.index("## Lease 6"):]
-    arms, steps = re.search(r'ARMS="([^"]+)"', command).group(1), re.search(r"STEPS=(\d+)", command).group(1)
-    overrides = re.search(r'(?<!_)OVERRIDES="([^"]+)"', (study / "lease.sh").read_text()).group(1)  # not SFT_'s
     repo, work = tmp_path / "repo", tmp_path / "work"
     (repo / "benchmarks").mkdir(parents=True)
     shutil.copytree(HERE, repo / "docs" / "results" / "smollm2_table2", ignore=shutil.ignore_patterns("lease*"))
@@ -203,11 +207,25 @@ def test_the_300_step_studys_lease_script_runs_its_readmes_next_lease(tmp_path):
     for name in ("lease.sh", "arms.txt"):
         shutil.copy(study / name, repo / "docs" / "results" / "smollm2_study300" / name)
     (repo / "benchmarks" / "smollm2_sweep.sh").write_text(SWEEP_STUB)
-    env = {**ENV, "MODEL": "tiny", "WORK": str(work), "BENCH": "0", "ARMS": arms, "STEPS": steps,
-           "PATH": with_gpus(tmp_path, 2)}
+    for name, text in BENCH_STUBS.items():
+        (repo / "benchmarks" / name).write_text(text)
+    env = {**ENV, "MODEL": "tiny", "WORK": str(work), "PATH": with_gpus(tmp_path, 2), **env}
     lease = subprocess.run(["bash", "docs/results/smollm2_study300/lease.sh"], cwd=repo, env=env, capture_output=True,
                            text=True, timeout=60)
     assert lease.returncode == 0, lease.stderr
+    return work, study
+
+
+def test_the_300_step_studys_lease_script_runs_its_readmes_next_lease(tmp_path):
+    """lease.sh with the README's lease 6 command (BENCH=0 here): each SFT on a GPU of its own (a sweep's first GPU),
+    the arms placed as named, every arm with lease.sh's sharing overrides, STEPS through to the sweeps, and the world
+    model evaluated after PPO."""
+    readme = (REPO / "docs" / "results" / "smollm2_study300" / "README.md").read_text()
+    command = readme[readme.index("## Lease 6"):]
+    arms, steps = re.search(r'ARMS="([^"]+)"', command).group(1), re.search(r"STEPS=(\d+)", command).group(1)
+    work, study = run_lease_script(tmp_path, BENCH="0", ARMS=arms, STEPS=steps)
+    overrides = re.search(r'(?<!_)OVERRIDES="([^"]+)"', (study / "lease.sh").read_text()).group(1)  # not SFT_'s
+    assert not (work / "out" / "b42").exists()
     logs = {start: work / f"table2_{start}" / "logs" for start in ("wm", "nowm")}
     assert (logs["wm"] / "gpu_ids").read_text().split() == ["0", "0", "1"]  # grpo_guard_s4, s5, s6
     assert (logs["nowm"] / "gpu_ids").read_text().split() == ["1", "0"]  # format_grpo_guard_s4, s5
@@ -222,6 +240,22 @@ def test_the_300_step_studys_lease_script_runs_its_readmes_next_lease(tmp_path):
     cfg = compose("_2_sokoban", ["model=smollm2-135m", *SWEEP, *study300_arms()[-1][2], *overrides.split()])
     check_config(cfg)
     assert cfg.trainer.log_val_generations == 8 and cfg.trainer.cuda_memory_fraction * 3 < 1
+
+
+def test_the_lease_script_times_issue_42s_benchmarks_side_by_side_before_the_arms(tmp_path):
+    """BENCH=1 on two GPUs: the SFT epoch on GPU 0 with the preset's SFT settings and one epoch, the 0.5B step on
+    GPU 1, both under their time limits and both ended before the arms' sweeps start; progress.txt says each."""
+    work, _ = run_lease_script(tmp_path, ARMS="grpo_guard_s4@0 format_grpo_guard_s4@1")
+    gpu, limit, sft = (work / "out" / "b42" / "env").read_text().split(" ", 2)
+    assert (gpu, limit) == ("0", "240") and sft.split()[-1] == "trainer.total_epochs=1"
+    assert "trainer.total_epochs=2" in sft  # the preset's, which the one epoch follows and overrides
+    assert (work / "out" / "ppo_env").read_text() == "1"
+    progress = (work / "out" / "progress.txt").read_text()
+    assert "bench: smollm2_step.sh rc=0 sft 55.0 0;" in progress
+    assert 'bench: ppo_step.py --model 0.5b on GPU 1 rc=0 "seconds": 19.5' in progress
+    assert progress.index("bench: ppo_step.py") < progress.index("config=_2_sokoban")
+    assert progress.index("bench: smollm2_step.sh rc") < progress.index("config=_2_sokoban")
+    assert (work / "table2_wm" / "logs" / "gpu_ids").read_text().split() == ["0"]
 
 
 def test_a_sweep_with_wait_for_is_ready_after_its_stages_then_adds_the_gate_after_each_arms_overrides(tmp_path):

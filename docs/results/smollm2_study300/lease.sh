@@ -7,7 +7,9 @@
 #   BENCH=1 (default) first runs issue 42's benchmarks, into /tmp/out/b42/ and /tmp/out/ppo_0.5b.{json,log}:
 #     benchmarks/smollm2_step.sh /tmp/out/b42   the SFT epoch of the preset's recipe (its data made there) and the step
 #     benchmarks/ppo_step.py --model 0.5b       the 0.5B shape's step, 3 repeats
-#   on GPU 0 one after the other, or on a host of two or more GPUs side by side, the second on GPU 1 (~3 minutes).
+#   on GPU 0 one after the other, or on a host of two or more GPUs side by side, the second on GPU 1 (~3 minutes);
+#   each under a time limit (the SFT and the step 240 s each, the 0.5B step 300 s), so that a hang costs the arms
+#   minutes, not the lease.
 #   Then job.sh with ARMS (required, e.g. "grpo_guard_s4@0 format_grpo_guard_s4@1") and the study's sharing
 #   overrides, with eight validation puzzles' trajectories as text in each run's val_generations.jsonl (from lease 6
 #   on: lease 5's world-model arms wrote twice as long, and only the metrics were there to say so). STEPS (job.sh's,
@@ -23,12 +25,13 @@ p() { echo "$(date -u +%T) $*" >> "$O/progress.txt"; }
 
 sft_epoch() {
     SFT_OVERRIDES="$(python -m SPA_agent.model_presets lookup smollm2-135m sft_defaults) trainer.total_epochs=1" \
-        CUDA_VISIBLE_DEVICES=0 bash benchmarks/smollm2_step.sh "$O/b42" > "$O/b42.log" 2>&1
+        CUDA_VISIBLE_DEVICES=0 SFT_TIMEOUT=240 STEP_TIMEOUT=240 bash benchmarks/smollm2_step.sh "$O/b42" \
+        > "$O/b42.log" 2>&1
     p "bench: smollm2_step.sh rc=$? $(tr '\t\n' ' ;' < "$O/b42/times.tsv")"
 }
 step_0_5b() {
-    CUDA_VISIBLE_DEVICES="$1" python benchmarks/ppo_step.py --model 0.5b --repeats 3 --json "$O/ppo_0.5b.json" \
-        > "$O/ppo_0.5b.log" 2>&1
+    CUDA_VISIBLE_DEVICES="$1" timeout 300 python benchmarks/ppo_step.py --model 0.5b --repeats 3 \
+        --json "$O/ppo_0.5b.json" > "$O/ppo_0.5b.log" 2>&1
     p "bench: ppo_step.py --model 0.5b on GPU $1 rc=$? $(grep -o '"seconds": [0-9.]*' "$O/ppo_0.5b.log" | tail -1)"
 }
 if [ "${BENCH:-1}" = 1 ]; then
