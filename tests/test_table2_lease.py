@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from SPA_agent.config import compose
 from SPA_agent.evaluation.evaluate import prepare_eval_config
@@ -191,7 +192,10 @@ def test_the_300_step_studys_later_leases_put_three_arms_a_gpu_each_with_its_sha
 BENCH_STUBS = {
     "smollm2_step.sh": 'mkdir -p "$1"; echo "$CUDA_VISIBLE_DEVICES $SFT_TIMEOUT $SFT_OVERRIDES" > "$1/env"\n'
                        'printf "sft\\t55.0\\t0\\n" > "$1/times.tsv"\n',
-    "ppo_step.py": "import os\nopen(os.environ['WORK'] + '/out/ppo_env', 'w').write(os.environ['CUDA_VISIBLE_DEVICES'])\n"
+    "ppo_step.py": "import json, os, sys\nout = os.environ['WORK'] + '/out/'\n"
+                   "open(out + 'ppo_env', 'w').write(os.environ['CUDA_VISIBLE_DEVICES'])\n"
+                   "open(out + 'ppo_args', 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
+                   "if os.environ.get('PPO_STEP_FAILS') and '--override' in sys.argv:\n    sys.exit(1)\n"
                    "print('{\"seconds\": 19.5}')\n",
 }
 
@@ -252,10 +256,32 @@ def test_the_lease_script_times_issue_42s_benchmarks_side_by_side_before_the_arm
     assert (work / "out" / "ppo_env").read_text() == "1"
     progress = (work / "out" / "progress.txt").read_text()
     assert "bench: smollm2_step.sh rc=0 sft 55.0 0;" in progress
-    assert 'bench: ppo_step.py --model 0.5b on GPU 1 rc=0 "seconds": 19.5' in progress
-    assert progress.index("bench: ppo_step.py") < progress.index("config=_2_sokoban")
+    assert 'bench: ppo_0.5b on GPU 1 rc=0 "seconds": 19.5' in progress
+    assert progress.index("bench: ppo_0.5b") < progress.index("config=_2_sokoban")
     assert progress.index("bench: smollm2_step.sh rc") < progress.index("config=_2_sokoban")
     assert (work / "table2_wm" / "logs" / "gpu_ids").read_text().split() == ["0"]
+
+
+def test_the_lease_scripts_0_5b_step_runs_with_smollm2s_speed_settings_or_else_the_defaults(tmp_path):
+    """Issue 42 asks for the 0.5B shape's step "with the same changes": every override lease.sh gives it is the
+    SmolLM2 preset's value, and so are its token budgets; if that run fails, the defaults' run follows."""
+    work, _ = run_lease_script(tmp_path, ARMS="grpo_guard_s4@0")
+    args = json.loads((work / "out" / "ppo_args").read_text())
+    preset = compose("_2_sokoban", ["model=smollm2-135m"])
+    overrides = args[args.index("--override") + 1:]
+    assert len(overrides) == 8
+    for override in overrides:
+        key, value = override.split("=")
+        assert str(OmegaConf.select(preset, key)) == value, key
+    assert int(args[args.index("--budget") + 1]) == preset.actor_rollout_ref.actor.ppo_max_token_len_per_gpu
+    assert int(args[args.index("--forward-budget") + 1]) == preset.actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu
+    work, _ = run_lease_script(tmp_path / "failing", ARMS="grpo_guard_s4@0", PPO_STEP_FAILS="1")
+    runs = [json.loads(line) for line in (work / "out" / "ppo_args").read_text().splitlines()]
+    assert "--override" in runs[0] and runs[1] == ["--model", "0.5b", "--repeats", "3", "--json",
+                                                   str(work / "out" / "ppo_0.5b_defaults.json")]
+    progress = (work / "out" / "progress.txt").read_text()
+    assert "speed settings on GPU 1 rc=1; with the defaults" in progress
+    assert 'bench: ppo_0.5b_defaults on GPU 1 rc=0 "seconds": 19.5' in progress
 
 
 def test_a_sweep_with_wait_for_is_ready_after_its_stages_then_adds_the_gate_after_each_arms_overrides(tmp_path):
