@@ -18,7 +18,10 @@ turns whose observation is exactly the current state, and whose prediction is ex
 --compare ROW_A ROW_B compares two rows at --step over their seeds, each seed's success one observation: the
 difference of the rows' means with Welch's 95% interval (between-seed spread, which the pooled Wilson intervals
 leave out) and the exact permutation test of the seeds' labels (one-sided: ROW_A above; with 3 seeds a row, all
-three above all three has p = 1/20).
+three above all three has p = 1/20). Seeds of one sweep (`<sweep>/ppo/<config>/<arm>`) start from one SFT checkpoint,
+and the 300-step study saw one checkpoint change how all its seeds trained; where a row has several seeds of one
+checkpoint, a second line makes the same comparison over checkpoints, each checkpoint's seeds averaged into one
+observation (less independence assumed, less power).
 
 Arms whose sweep ran with WM_EVAL=1 (benchmarks/smollm2_sweep.sh: `<sweep>/wm_eval/<arm>/eval.json`, beside
 `<sweep>/ppo/`) get one more table: their last checkpoint in the SFT's own prompts, success and the world model's
@@ -130,21 +133,49 @@ def permutation_p(a: list[float], b: list[float]) -> tuple[float, float]:
     return one_sided, two_sided
 
 
-def compare(arms: dict[str, list[dict]], first: str, second: str, step: int) -> str:
-    """The seed-level comparison of two rows at `step` (module docstring)."""
+def sft_checkpoint_of(run: Path) -> str:
+    """The sweep folder whose SFT checkpoint a run `<sweep>/ppo/<config>/<arm>` started from; the run itself where it
+    lies elsewhere."""
+    run = run.resolve()
+    return str(run.parents[2] if len(run.parents) > 2 and run.parents[1].name == "ppo" else run)
+
+
+def checkpoints_of(directories: list[Path]) -> dict[str, str]:
+    """{arm: its SFT checkpoint's sweep folder} for the runs under `directories`."""
+    return {run.name: sft_checkpoint_of(run) for directory in directories for run in run_dirs(directory)}
+
+
+def comparison_line(first: str, second: str, a: list[float], b: list[float], step: int, unit: str) -> str:
+    difference, low, high, df = welch(a, b)
+    one_sided, two_sided = permutation_p(a, b)
+    return (f"{first} − {second} at step {step}, over {unit}s ({len(a)} and {len(b)}): "
+            f"{difference:+.3f}, Welch 95% interval [{low:+.3f}, {high:+.3f}] (df {df:.1f}); "
+            f"exact permutation test of the {unit}s: one-sided p = {one_sided:.3f}, two-sided p = {two_sided:.3f}")
+
+
+def compare(arms: dict[str, list[dict]], first: str, second: str, step: int,
+            checkpoints: dict[str, str] | None = None) -> str:
+    """The seed-level comparison of two rows at `step`, and over SFT checkpoints where `checkpoints` (arm -> its
+    checkpoint) gives a row several seeds of one (module docstring)."""
     success, rows = f"val-env/{environment(arms)}/success", rows_of(arms)
-    values = {}
+    values, cells = {}, {}
     for row in (first, second):
         if row not in rows:
             raise ValueError(f"no row named {row} (rows: {', '.join(rows)})")
-        values[row] = [curve(arms[name], success)[step] for name in rows[row] if step in curve(arms[name], success)]
+        reached = [name for name in rows[row] if step in curve(arms[name], success)]
+        values[row] = [curve(arms[name], success)[step] for name in reached]
         if len(values[row]) < 2:
             raise ValueError(f"row {row} has {len(values[row])} seed(s) validated at step {step}: at least 2 needed")
-    difference, low, high, df = welch(values[first], values[second])
-    one_sided, two_sided = permutation_p(values[first], values[second])
-    return (f"{first} − {second} at step {step}, over seeds ({len(values[first])} and {len(values[second])}): "
-            f"{difference:+.3f}, Welch 95% interval [{low:+.3f}, {high:+.3f}] (df {df:.1f}); "
-            f"exact permutation test of the seeds: one-sided p = {one_sided:.3f}, two-sided p = {two_sided:.3f}")
+        by_checkpoint: dict[str, list[float]] = {}
+        for name, value in zip(reached, values[row]):
+            by_checkpoint.setdefault((checkpoints or {}).get(name, name), []).append(value)
+        cells[row] = [statistics.fmean(seeds) for seeds in by_checkpoint.values()]
+    lines = [comparison_line(first, second, values[first], values[second], step, "seed")]
+    if any(len(cells[row]) < len(values[row]) for row in cells):  # a checkpoint holds several seeds of a row
+        few = [row for row in cells if len(cells[row]) < 2]
+        lines.append(f"over SFT checkpoints: row {few[0]}'s seeds all start from one checkpoint, no comparison" if few
+                     else comparison_line(first, second, cells[first], cells[second], step, "SFT checkpoint"))
+    return "\n".join(lines)
 
 
 def world_model_evaluations(directories: list[Path]) -> dict[str, dict]:
@@ -205,7 +236,7 @@ def main() -> None:
     print(table(arms, step, args.val_episodes))
     if args.compare:
         try:
-            print(f"\n{compare(arms, *args.compare, step)}")
+            print(f"\n{compare(arms, *args.compare, step, checkpoints_of(args.directories))}")
         except ValueError as error:
             parser.exit(2, f"error: {error}\n")
     evaluations = world_model_evaluations(args.directories)

@@ -99,6 +99,38 @@ def test_compare_gives_the_seeds_welch_interval_and_exact_permutation_test(tmp_p
     assert unknown.returncode == 2 and unknown.stderr.strip() == "error: no row named vanilla (rows: format, spa)"
 
 
+def test_compare_also_goes_over_sft_checkpoints_where_a_sweep_holds_several_seeds_of_a_row(tmp_path):
+    """Seeds of one sweep share its SFT checkpoint: spa has two in lease 1's, format two in lease 2's. Over
+    checkpoints, each one's seeds averaged: spa 0.42, 0.38, 0.36 against format 0.30, 0.33, 0.28, every spa
+    checkpoint above every format one (one split of 20)."""
+    seeds = {"lease1": {"spa_s0": 0.40, "spa_s1": 0.44, "format_s0": 0.30},
+             "lease2": {"spa_s2": 0.38, "format_s1": 0.34, "format_s2": 0.32},
+             "lease3": {"spa_s3": 0.36, "format_s3": 0.28}}
+    folders = []
+    for lease, arms in seeds.items():
+        runs = tmp_path / lease / "table2_wm" / "ppo" / "_2_sokoban"
+        for name, success in arms.items():
+            write_arm(runs, name, {0: 0.0, 25: success})
+        folders.append(runs)
+    done = run(*folders, "--compare", "spa", "format")
+    assert done.returncode == 0, done.stderr
+    seed_line, checkpoint_line = done.stdout.splitlines()[-2:]
+    assert seed_line.startswith("spa − format at step 25, over seeds (4 and 4): +0.085,")
+    assert checkpoint_line.startswith("spa − format at step 25, over SFT checkpoints (3 and 3): +0.083, Welch 95% "
+                                      "interval [+0.019, +0.148] (df 3.9)")  # t_{0.975, 3.86} = 2.817
+    assert checkpoint_line.endswith("exact permutation test of the SFT checkpoints: one-sided p = 0.050, "
+                                    "two-sided p = 0.100")
+    one_sweep = run(folders[0], "--compare", "spa", "format")  # spa's two seeds, one checkpoint; format has one seed
+    assert one_sweep.returncode == 2 and "row format has 1 seed(s)" in one_sweep.stderr
+    spa_in_one = run(folders[0], folders[2] / "format_s3", "--compare", "spa", "format")
+    assert spa_in_one.returncode == 0, spa_in_one.stderr
+    assert spa_in_one.stdout.splitlines()[-1] == ("over SFT checkpoints: row spa's seeds all start from one "
+                                                  "checkpoint, no comparison")
+    separate = run(*(folders[i] / name for i, arms in enumerate(seeds.values()) for name in arms if "_s0" in name
+                     or name in ("spa_s2", "format_s3")), "--compare", "spa", "format")
+    assert "over SFT checkpoints" not in separate.stdout  # one seed a checkpoint: the seed line says it all
+
+
 def test_wm_eval_evaluations_beside_the_runs_make_a_world_model_table(tmp_path):
     """smollm2_sweep.sh's WM_EVAL writes <sweep>/wm_eval/<arm>/eval.json beside <sweep>/ppo/<config>/<arm>."""
     runs = tmp_path / "table2_wm" / "ppo" / "_2_sokoban"
