@@ -8,10 +8,10 @@ with several folders, the arms of all of them, whose names must differ; a run di
 arm) and draws, per PPO step and one line per arm: the validation success with its 95% Wilson interval over
 --val-episodes episodes (128 puzzles × the validation samples), the training success, the share of well-formed
 training turns, the entropy of the answer span, the KL to the reference model (all trained tokens, the answers, the
-state blocks), the critic's explained variance, the step's seconds and, on a GPU, its peak memory and the memory its
-process held, and in add_worldmodel prompts the validation's world-model accuracy (the share of turns whose written
-observation, and prediction, is exactly the true current and next state; no interval: its count is turns, not
-episodes) (panels no arm logs are left out). Prints the validation success per arm and step as a markdown table,
+state blocks), the critic's explained variance, the tokens a training trajectory sampled (its mean), the step's
+seconds and, on a GPU, its peak memory and the memory its process held, and in add_worldmodel prompts the
+validation's world-model accuracy (the share of turns whose written observation, and prediction, is exactly the true
+current and next state; no interval: its count is turns, not episodes) (panels no arm logs are left out). Prints the validation success per arm and step as a markdown table,
 with the intervals, and each arm's last step.
 
 --by-row colours the arms by row, for many seeds of few settings: the arms `<row>_s<seed>` of one row (as in
@@ -37,7 +37,7 @@ PANELS = (("val-env/{env}/success", "validation success"), ("train/{env}/success
           ("diag/kl_ref", "KL to the reference model"), ("diag/kl_ref/answer", "KL to the reference: answers"),
           ("diag/kl_ref/state", "KL to the reference: state blocks"),
           ("critic/vf_explained_var", "critic explained variance"),
-          ("timing_s/step", "seconds a step"),
+          ("train/response_length", "sampled tokens a trajectory (training)"), ("timing_s/step", "seconds a step"),
           ("memory_gb/step", "GPU memory: the step's peak, GiB"), ("memory_gb/reserved", "GPU memory held, GiB"),
           ("val-env/{env}/worldmodel/observation_exact", "validation: observation exact"),
           ("val-env/{env}/worldmodel/prediction_exact", "validation: prediction exact"))

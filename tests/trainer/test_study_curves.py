@@ -68,6 +68,22 @@ def test_memory_panels_where_an_arm_logs_them(tmp_path):
     assert titles[-3:] == ["seconds a step", "GPU memory: the step's peak, GiB", "GPU memory held, GiB"]
 
 
+def test_a_panel_of_the_tokens_a_trajectory_sampled_where_an_arm_logs_them(tmp_path):
+    """train/response_length (a training trajectory's sampled tokens, mean): the panel before the step's seconds, where
+    a run that writes long (the study's fifth lease) shows at once."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import study_curves
+
+    write_arm(tmp_path, "long", 0.3, 26, critic=False)
+    path = tmp_path / "long" / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()[:-1]]
+    for record in records[1:]:
+        record["train/response_length"] = 120.0
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    titles = [title for _, title in study_curves.panels(study_curves.read_arms(tmp_path))]
+    assert titles[-2:] == ["sampled tokens a trajectory (training)", "seconds a step"]
+
+
 def test_world_model_accuracy_panels_where_an_arm_logs_them(tmp_path):
     """An add_worldmodel arm logs its validation's world-model accuracy; the panels follow the fixed ones, once for
     all arms, and the arms without them (base prompts) are drawn beside it."""
