@@ -12,7 +12,8 @@
 #   step     benchmarks/smollm2_step.py from the SFT checkpoint: PPO steps and one validation of 128 × 4
 #   step_<name>  the same from the same checkpoint once per line `<name> <overrides...>` of STEP_VARIANTS
 # Environment: SFT_OVERRIDES (extra SFT overrides, space separated), STEP_TIMEOUT (s, 900), SFT_TIMEOUT (s, 900),
-# STEP_VARIANTS (lines of `<name> <config overrides>`, e.g. "nockpt generator.compile_decode_step=true").
+# STEP_VARIANTS (lines of `<name> <config overrides>`, e.g. "nockpt generator.compile_decode_step=true"), SFT_ONLY=1
+# (stop after the sft stage: the SFT epoch alone, as a lease that needs its minutes for other work times it).
 # A stage still running at its limit is stopped with SIGABRT, so Python prints every thread's stack into its log
 # (PYTHONFAULTHANDLER), after `py-spy dump` of its processes where py-spy is installed; then its process group is
 # killed (no orphaned SFT rank keeps the GPU).
@@ -66,6 +67,7 @@ fi
 # shellcheck disable=SC2086
 stage sft "${SFT_TIMEOUT:-900}" bash sft/finetune_ft.sh _2_sokoban 1 "$OUT/sft" "$DATA" smollm2-135m \
     trainer.total_epochs=1 ${SFT_OVERRIDES:-}
+[ "${SFT_ONLY:-0}" = 1 ] && { cat "$OUT/times.tsv"; exit 0; }
 CKPT="$(ls -d "$OUT"/sft/global_step_* | sort -V | tail -1)"
 stage step "${STEP_TIMEOUT:-900}" python benchmarks/smollm2_step.py --model-path "$CKPT" --json "$OUT/step.json" "$@"
 while read -r name overrides; do

@@ -190,7 +190,7 @@ def test_the_300_step_studys_later_leases_put_three_arms_a_gpu_each_with_its_sha
 
 #: issue 42's benchmarks as lease.sh runs them, stubbed: each records its GPU (and the SFT its limit and overrides)
 BENCH_STUBS = {
-    "smollm2_step.sh": 'mkdir -p "$1"; echo "$CUDA_VISIBLE_DEVICES $SFT_TIMEOUT $SFT_OVERRIDES" > "$1/env"\n'
+    "smollm2_step.sh": 'mkdir -p "$1"; echo "$CUDA_VISIBLE_DEVICES $SFT_TIMEOUT $SFT_ONLY $SFT_OVERRIDES" > "$1/env"\n'
                        'printf "sft\\t55.0\\t0\\n" > "$1/times.tsv"\n',
     "ppo_step.py": "import json, os, sys\nout = os.environ['WORK'] + '/out/'\n"
                    "open(out + 'ppo_env', 'w').write(os.environ['CUDA_VISIBLE_DEVICES'])\n"
@@ -247,11 +247,11 @@ def test_the_300_step_studys_lease_script_runs_its_readmes_next_lease(tmp_path):
 
 
 def test_the_lease_script_times_issue_42s_benchmarks_side_by_side_before_the_arms(tmp_path):
-    """BENCH=1 on two GPUs: the SFT epoch on GPU 0 with the preset's SFT settings and one epoch, the 0.5B step on
-    GPU 1, both under their time limits and both ended before the arms' sweeps start; progress.txt says each."""
+    """BENCH=1 on two GPUs: the SFT epoch alone on GPU 0 with the preset's SFT settings and one epoch, the 0.5B step
+    on GPU 1, both under their time limits and both ended before the arms' sweeps start; progress.txt says each."""
     work, _ = run_lease_script(tmp_path, ARMS="grpo_guard_s4@0 format_grpo_guard_s4@1")
-    gpu, limit, sft = (work / "out" / "b42" / "env").read_text().split(" ", 2)
-    assert (gpu, limit) == ("0", "240") and sft.split()[-1] == "trainer.total_epochs=1"
+    gpu, limit, sft_only, sft = (work / "out" / "b42" / "env").read_text().split(" ", 3)
+    assert (gpu, limit, sft_only) == ("0", "240", "1") and sft.split()[-1] == "trainer.total_epochs=1"
     assert "trainer.total_epochs=2" in sft  # the preset's, which the one epoch follows and overrides
     assert (work / "out" / "ppo_env").read_text() == "1"
     progress = (work / "out" / "progress.txt").read_text()

@@ -5,9 +5,9 @@
 # this script with setsid from /tmp/repo. Lease 5 ran it as lease5.sh (commit 07f218a) with BENCH=0.
 #
 #   BENCH=1 (default) first runs issue 42's benchmarks, into /tmp/out/b42/ and /tmp/out/ppo_0.5b*.{json,log}:
-#     benchmarks/smollm2_step.sh /tmp/out/b42   the SFT epoch of the preset's recipe (its data made there) and the step
+#     benchmarks/smollm2_step.sh /tmp/out/b42   the SFT epoch of the preset's recipe (its data made there) alone
 #     benchmarks/ppo_step.py --model 0.5b       the 0.5B shape's step, 3 repeats, with SmolLM2's speed settings
-#   on GPU 0 one after the other, or on a host of two or more GPUs side by side, the second on GPU 1 (~3 minutes);
+#   on GPU 0 one after the other, or on a host of two or more GPUs side by side, the second on GPU 1 (~2 minutes);
 #   each under a time limit (240 s a stage), so that a hang costs the arms minutes, not the lease.
 #   Then job.sh with ARMS (required, e.g. "grpo_guard_s4@0 format_grpo_guard_s4@1") and the study's sharing
 #   overrides, with eight validation puzzles' trajectories as text in each run's val_generations.jsonl (from lease 6
@@ -24,7 +24,7 @@ p() { echo "$(date -u +%T) $*" >> "$O/progress.txt"; }
 
 sft_epoch() {
     SFT_OVERRIDES="$(python -m SPA_agent.model_presets lookup smollm2-135m sft_defaults) trainer.total_epochs=1" \
-        CUDA_VISIBLE_DEVICES=0 SFT_TIMEOUT=240 STEP_TIMEOUT=240 bash benchmarks/smollm2_step.sh "$O/b42" \
+        CUDA_VISIBLE_DEVICES=0 SFT_TIMEOUT=240 SFT_ONLY=1 bash benchmarks/smollm2_step.sh "$O/b42" \
         > "$O/b42.log" 2>&1
     p "bench: smollm2_step.sh rc=$? $(tr '\t\n' ' ;' < "$O/b42/times.tsv")"
 }
