@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from SPA_agent.runs.atomic_io import write_jsonl
+
 
 def read_records(path: Path) -> tuple[list[dict], bool]:
     """(records, intact): the JSON objects of `path` in order ([] if it does not exist); `intact` is False when a
@@ -29,3 +31,11 @@ def read_records(path: Path) -> tuple[list[dict], bool]:
                 continue
             raise ValueError(f"{path}:{number} is not a JSON line ({err.msg}); fix or delete that line") from None
     return records, intact
+
+
+def truncate_after(path: Path, step: int) -> None:
+    """Drop the records of steps after `step` (a resumed run logs them again) and a cut-short last line, rewriting
+    the file atomically; a file without either is left as it is."""
+    records, intact = read_records(path)
+    if not intact or any(r["step"] > step for r in records):
+        write_jsonl(path, [r for r in records if r["step"] <= step])

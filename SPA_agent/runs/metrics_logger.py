@@ -11,8 +11,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from SPA_agent.runs.atomic_io import write_jsonl
-from SPA_agent.runs.metrics_file import read_records
+from SPA_agent.runs.metrics_file import read_records, truncate_after
 
 METRICS_FILE = "metrics.jsonl"
 LOGGERS = ("console", "wandb")
@@ -50,9 +49,7 @@ class MetricsLogger:
     def truncate_after(self, step: int) -> None:
         """Drop records of steps after `step` (a resumed run re-logs them) and a cut-short last line, rewriting
         the file atomically."""
-        records, intact = read_records(self.path)
-        if not intact or any(r["step"] > step for r in records):
-            write_jsonl(self.path, [r for r in records if r["step"] <= step])
+        truncate_after(self.path, step)
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         record = {"step": step, **{k: _jsonable(v) for k, v in sorted(metrics.items())}}

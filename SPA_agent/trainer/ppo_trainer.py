@@ -32,13 +32,13 @@ from verl import DataProto
 from verl.trainer.ppo import core_algos
 
 from SPA_agent.runs import checkpoints
-from SPA_agent.runs.generations_log import GenerationsLog
 from SPA_agent.runs.metrics_logger import MetricsLogger
 from SPA_agent.runs.progress import plain_line, progress_bar
 from SPA_agent.selfplay.worldmodel import worldmodel_accuracy
 from SPA_agent.trainer import algos
 from SPA_agent.trainer.backend import WorkerGroup
 from SPA_agent.trainer.diagnostics import Diagnostics
+from SPA_agent.trainer.generations_log import GenerationsLog
 from SPA_agent.trainer.metrics import (
     CudaMemory,
     FullCollections,
@@ -217,7 +217,7 @@ class PPOTrainer:
         for index in range(self.cfg.trainer.validation_steps):
             rollout = self.proxy.rollout(val=True)
             if index == 0 and step is not None:
-                self.generations.log(step, rollout.states)
+                self.generations.log(step, self.proxy, rollout.states)
             metrics = self._rollout_metrics(rollout)
             if self.proxy.ctx.mode == "add_worldmodel":
                 metrics.update(worldmodel_accuracy(rollout.states))

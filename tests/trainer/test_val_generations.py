@@ -1,5 +1,6 @@
-"""`trainer.log_val_generations`: validation trajectories as text in val_generations.jsonl, one of each of the first
-N puzzles at every validation, the same puzzles each time, cut back with the metrics when a run resumes."""
+"""`trainer.log_val_generations`: validation trajectories as text in val_generations.jsonl (the evaluation's
+trajectories.jsonl records with the step), one of each of the first N puzzles at every validation, the same puzzles
+each time, cut back with the metrics when a run resumes."""
 
 from __future__ import annotations
 
@@ -7,14 +8,10 @@ import json
 
 import pytest
 
+from SPA_agent.evaluation.evaluate import trajectory_record
 from SPA_agent.rollout.turns import EnvRecord
-from SPA_agent.runs.generations_log import (
-    GENERATIONS_FILE,
-    GenerationsLog,
-    first_of_each_group,
-    trajectory_record,
-)
 from SPA_agent.trainer.config_checks import check_config
+from SPA_agent.trainer.generations_log import GENERATIONS_FILE, GenerationsLog, first_of_each_group
 from SPA_agent.trainer.main_ppo import run
 
 #: three validation puzzles, two of them logged, a validation every step
@@ -30,14 +27,23 @@ def record(env_id: int, group_id: int, answer: str = "Up") -> EnvRecord:
                      [turn, {"state": "#_P#", "actions_left": 4}])
 
 
-def test_a_trajectory_is_its_shown_states_raw_responses_actions_and_rewards():
-    assert trajectory_record(25, record(3, 1)) == {
-        "step": 25, "group_id": 1, "env_id": 3, "seed": 101, "tag": "SimpleSokoban",
-        "metrics": {"SimpleSokoban/success": 0.0}, "penalty": 0.0,
-        "turns": [{"state": "#P_#", "response": "<think>go</think><answer>Up</answer>", "actions": ["Up"],
-                   "reward": -0.1, "format_ok": True}],
-        "final_state": "#_P#",
-    }
+class ChatOf:
+    """The one thing of the agent proxy the log reads: a finished trajectory's chat (`messages`)."""
+
+    def messages(self, state: EnvRecord, normalized: bool = True) -> list[dict]:
+        return [{"role": "user", "content": state.history[0]["state"]},
+                {"role": "assistant", "content": state.history[0]["llm_raw_response"]}]
+
+
+def test_a_line_is_the_evaluations_trajectory_record_with_the_step(tmp_path):
+    """What trajectories.jsonl of an evaluation holds for the trajectory, the step first; one of each group."""
+    out = tmp_path
+    GenerationsLog(out, 1).log(25, ChatOf(), [record(3, 1), record(1, 0, "Down")])
+    line = json.loads((out / GENERATIONS_FILE).read_text())
+    assert line == {"step": 25, **trajectory_record(ChatOf(), record(1, 0, "Down"), repeat=0, failed=False)}
+    assert line["messages"][1]["content"] == "<think>go</think><answer>Down</answer>"  # the raw response
+    assert (line["actions"], line["rewards"], line["true_states"]) == ([["Down"]], [-0.1], ["#P_#", "#_P#"])
+    assert list(line)[0] == "step" and line["seed"] == 100 and line["success"] is False
 
 
 def test_the_first_trajectory_of_each_of_the_first_groups():
@@ -49,13 +55,13 @@ def test_the_first_trajectory_of_each_of_the_first_groups():
 def test_the_log_appends_each_validation_and_cuts_back_to_a_resumed_step(tmp_path):
     log = GenerationsLog(tmp_path, 1)
     for step in (0, 1, 2):
-        log.log(step, [record(0, 0), record(1, 1)])
+        log.log(step, ChatOf(), [record(0, 0), record(1, 1)])
     with (tmp_path / GENERATIONS_FILE).open("a") as f:
         f.write('{"step": 3, "gro')  # a run killed while writing
     log.truncate_after(1)
     lines = [json.loads(line) for line in (tmp_path / GENERATIONS_FILE).read_text().splitlines()]
     assert [(r["step"], r["group_id"]) for r in lines] == [(0, 0), (1, 0)]
-    GenerationsLog(tmp_path / "off", 0).log(0, [record(0, 0)])
+    GenerationsLog(tmp_path / "off", 0).log(0, ChatOf(), [record(0, 0)])
     assert not (tmp_path / "off").exists()
 
 
@@ -67,10 +73,12 @@ def test_a_run_writes_one_trajectory_of_each_of_the_first_puzzles_at_every_valid
     lines = [json.loads(line) for line in (out / GENERATIONS_FILE).read_text().splitlines()]
     assert [(r["step"], r["group_id"]) for r in lines] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
     assert len({(r["group_id"], r["seed"]) for r in lines}) == 2  # the same two puzzles at every validation
-    for line in lines:
-        assert 1 <= len(line["turns"]) <= 2 and line["final_state"]
-        assert all(isinstance(turn["response"], str) and turn["state"] for turn in line["turns"])
-        assert "SimpleSokoban/success" in line["metrics"]
+    for line in lines:  # the evaluation's record: one action list, reward and assistant message a turn
+        turns = len(line["actions"])
+        assert 1 <= turns <= 2 and len(line["rewards"]) == turns and len(line["true_states"]) == turns + 1
+        assert [m["role"] for m in line["messages"]].count("assistant") == turns
+        assert (line["repeat"], line["failed_request"]) == (0, False)
+        assert line["success"] == (line["metrics"]["SimpleSokoban/success"] > 0)
     with (out / GENERATIONS_FILE).open("a") as f:  # as if step 3 had validated before a crash, unsaved
         f.write(json.dumps({**lines[-1], "step": 3, "group_id": 7}) + "\n")
     run(ppo_config("_2_sokoban", *LOGGED, "trainer.total_training_steps=3"))
