@@ -133,16 +133,16 @@ def permutation_p(a: list[float], b: list[float]) -> tuple[float, float]:
     return one_sided, two_sided
 
 
-def sft_checkpoint_of(run: Path) -> str:
-    """The sweep folder whose SFT checkpoint a run `<sweep>/ppo/<config>/<arm>` started from; the run itself where it
-    lies elsewhere."""
+def sweep_of(run: Path) -> Path | None:
+    """The sweep folder of a run `<sweep>/ppo/<config>/<arm>` (its SFT checkpoint, data and wm_eval/), or None."""
     run = run.resolve()
-    return str(run.parents[2] if len(run.parents) > 2 and run.parents[1].name == "ppo" else run)
+    return run.parents[2] if len(run.parents) > 2 and run.parents[1].name == "ppo" else None
 
 
 def checkpoints_of(directories: list[Path]) -> dict[str, str]:
-    """{arm: its SFT checkpoint's sweep folder} for the runs under `directories`."""
-    return {run.name: sft_checkpoint_of(run) for directory in directories for run in run_dirs(directory)}
+    """{arm: the sweep folder whose SFT checkpoint it started from (the run itself outside a sweep)} for the runs
+    under `directories`."""
+    return {run.name: str(sweep_of(run) or run.resolve()) for directory in directories for run in run_dirs(directory)}
 
 
 def comparison_line(first: str, second: str, a: list[float], b: list[float], step: int, unit: str) -> str:
@@ -184,8 +184,8 @@ def world_model_evaluations(directories: list[Path]) -> dict[str, dict]:
     found = {}
     for directory in directories:
         for run in run_dirs(directory):
-            parents = run.resolve().parents
-            evaluation = parents[2] / "wm_eval" / run.name / "eval.json" if len(parents) > 2 else None
+            sweep = sweep_of(run)
+            evaluation = sweep / "wm_eval" / run.name / "eval.json" if sweep else None
             if evaluation is not None and evaluation.is_file():
                 found[run.name] = json.loads(evaluation.read_text())
     return found

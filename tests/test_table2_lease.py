@@ -204,13 +204,10 @@ def run_lease_script(tmp_path: Path, **env: str) -> tuple[Path, Path]:
     """lease.sh in a copy of the tree with the sweep and the benchmarks stubbed, on a host of two GPUs; (work dir,
     the study's folder)."""
     study = REPO / "docs" / "results" / "smollm2_study300"
-    repo, work = tmp_path / "repo", tmp_path / "work"
-    (repo / "benchmarks").mkdir(parents=True)
-    shutil.copytree(HERE, repo / "docs" / "results" / "smollm2_table2", ignore=shutil.ignore_patterns("lease*"))
+    repo, work = stub_tree(tmp_path), tmp_path / "work"
     (repo / "docs" / "results" / "smollm2_study300").mkdir()
     for name in ("lease.sh", "arms.txt"):
         shutil.copy(study / name, repo / "docs" / "results" / "smollm2_study300" / name)
-    (repo / "benchmarks" / "smollm2_sweep.sh").write_text(SWEEP_STUB)
     for name, text in BENCH_STUBS.items():
         (repo / "benchmarks" / name).write_text(text)
     env = {**ENV, "MODEL": "tiny", "WORK": str(work), "PATH": with_gpus(tmp_path, 2), **env}
@@ -368,12 +365,18 @@ open(args[args.index("--json") + 1], "w").write(json.dumps([summary]))
 """
 
 
-def run_job(tmp_path: Path, **env: str) -> tuple[Path, Path]:
-    """job.sh with GATE=pipeline in a copy of the tree whose sweep and step benchmark are stubs; (work dir, out/)."""
-    repo, work = tmp_path / "repo", tmp_path / "work"
+def stub_tree(tmp_path: Path) -> Path:
+    """tmp_path/repo: a copy of this lease's folder beside a stub of the sweep (benchmarks/smollm2_sweep.sh)."""
+    repo = tmp_path / "repo"
     (repo / "benchmarks").mkdir(parents=True, exist_ok=True)
     shutil.copytree(HERE, repo / "docs" / "results" / "smollm2_table2", ignore=shutil.ignore_patterns("lease*"))
     (repo / "benchmarks" / "smollm2_sweep.sh").write_text(SWEEP_STUB)
+    return repo
+
+
+def run_job(tmp_path: Path, **env: str) -> tuple[Path, Path]:
+    """job.sh with GATE=pipeline in a copy of the tree whose sweep and step benchmark are stubs; (work dir, out/)."""
+    repo, work = stub_tree(tmp_path), tmp_path / "work"
     (repo / "benchmarks" / "smollm2_step.py").write_text(STEP_STUB)
     env = {**ENV, "MODEL": "tiny", "REPO": str(repo), "WORK": str(work), "ARMS": "spa_s0 format_s0 vanilla_s0",
            "STEP_ARGS": str(tmp_path / "step_args_"), **env}
