@@ -4,15 +4,16 @@
     python benchmarks/study_curves.py table2_wm/ppo/_2_sokoban table2_nowm/ppo/_2_sokoban ...   # several sweeps
 
 Reads `<run>/metrics.jsonl` (or its gzip-compressed `metrics.jsonl.gz`) of every run directory there (one arm each;
-with several folders, the arms of all of them, whose names must differ; a run directory given itself is that one
-arm) and draws, per PPO step and one line per arm: the validation success with its 95% Wilson interval over
---val-episodes episodes (128 puzzles × the validation samples), the training success, the share of well-formed
-training turns, the entropy of the answer span, the KL to the reference model (all trained tokens, the answers, the
-state blocks), the critic's explained variance, the tokens a training trajectory sampled (its mean), the step's
-seconds and, on a GPU, its peak memory and the memory its process held, and in add_worldmodel prompts the
-validation's world-model accuracy (the share of turns whose written observation, and prediction, is exactly the true
-current and next state; no interval: its count is turns, not episodes) (panels no arm logs are left out). Prints the validation success per arm and step as a markdown table,
-with the intervals, and each arm's last step.
+with several folders, the arms of all of them, whose names must differ; a run directory given itself is that one arm,
+and `NAME=RUN` names the run directory RUN's arm NAME, e.g. a seed run again from another SFT checkpoint) and draws,
+per PPO step and one line per arm: the validation success with its 95% Wilson interval over --val-episodes episodes
+(128 puzzles × the validation samples), the training success, the share of well-formed training turns, the entropy of
+the answer span, the KL to the reference model (all trained tokens, the answers, the state blocks), the critic's
+explained variance, the tokens a training trajectory sampled (its mean), the step's seconds and, on a GPU, its peak
+memory and the memory its process held, and in add_worldmodel prompts the validation's world-model accuracy (the share
+of turns whose written observation, and prediction, is exactly the true current and next state; no interval: its count
+is turns, not episodes) (panels no arm logs are left out). Prints the validation success per arm and step as a
+markdown table, with the intervals, and each arm's last step.
 
 --by-row colours the arms by row, for many seeds of few settings: the arms `<row>_s<seed>` of one row (as in
 table2_rows.py) share a colour and one legend entry, and the validation success panel draws each row's mean over
@@ -56,10 +57,23 @@ def run_dirs(directory: Path) -> list[Path]:
     return sorted(path for path in directory.glob("*") if path.is_dir() and metrics_file(path))
 
 
+def named_runs(argument: Path) -> list[tuple[str, Path]]:
+    """(arm, run directory) for a directory argument: its runs (`run_dirs`) under their directories' names, or for
+    `NAME=RUN` the run directory RUN as the arm NAME. That names a seed run again from another SFT checkpoint, whose
+    directory has the earlier run's name: `grpo_guard_s4b=lease6/.../grpo_guard_s4` (a letter after the seed keeps it
+    in its row)."""
+    name, equals, run = str(argument).partition("=")
+    if equals and name and "/" not in name:
+        if not metrics_file(Path(run)):
+            raise ValueError(f"{argument}: {run} holds no metrics.jsonl")
+        return [(name, Path(run))]
+    return [(path.name, path) for path in run_dirs(argument)]
+
+
 def read_arms(directory: Path) -> dict[str, list[dict]]:
-    """{arm: its metrics records} for the runs of `directory` (`run_dirs`); a cut-short line dropped."""
+    """{arm: its metrics records} for the runs of a directory argument (`named_runs`); a cut-short line dropped."""
     arms = {}
-    for run in run_dirs(directory):
+    for name, run in named_runs(directory):
         path = metrics_file(run)
         text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
         records = []
@@ -68,7 +82,7 @@ def read_arms(directory: Path) -> dict[str, list[dict]]:
                 records.append(json.loads(line))
             except json.JSONDecodeError:
                 continue
-        arms[run.name] = records
+        arms[name] = records
     return arms
 
 
@@ -86,9 +100,14 @@ def read_folders(parser: argparse.ArgumentParser, directories: list[Path]) -> di
     folders = " ".join(map(str, directories))
     arms: dict[str, list[dict]] = {}
     for directory in directories:
-        for name, records in read_arms(directory).items():
+        try:
+            named = read_arms(directory)
+        except ValueError as error:
+            parser.exit(2, f"error: {error}\n")
+        for name, records in named.items():
             if name in arms:
-                parser.exit(2, f"error: two arms are named {name}, one in {directory}: give each its own name\n")
+                parser.exit(2, f"error: two arms are named {name}, one in {directory}: give each its own name "
+                               "(NAME=RUN)\n")
             arms[name] = records
     if not arms:
         parser.exit(2, f"error: no <arm>/metrics.jsonl under {folders}\n")
@@ -99,7 +118,7 @@ def read_folders(parser: argparse.ArgumentParser, directories: list[Path]) -> di
     return arms
 
 
-SEED = re.compile(r"(?P<row>.+)_s(?P<seed>\d+)")
+SEED = re.compile(r"(?P<row>.+)_s(?P<seed>\d+[a-z]?)")  # s4b: seed 4 again, from another SFT checkpoint
 
 
 def rows_of(arms: dict[str, list[dict]]) -> dict[str, list[str]]:
@@ -150,7 +169,9 @@ def markdown(arms: dict[str, list[dict]], key: str, episodes: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("directories", type=Path, nargs="+", help="folders holding one run directory per arm, or run directories (one arm each)")
+    parser.add_argument("directories", type=Path, nargs="+",
+                        help="folders holding one run directory per arm, run directories (one arm each), or "
+                             "NAME=RUN: the run directory RUN as the arm NAME")
     parser.add_argument("--out", type=Path, default=Path("curves.png"))
     parser.add_argument("--val-episodes", type=int, default=512, help="episodes per validation (the interval's n)")
     parser.add_argument("--by-row", action="store_true",

@@ -5,12 +5,13 @@ seeds pooled.
         lease2/table2_wm/ppo/_2_sokoban ... --val-episodes 512
 
 An arm `<row>_s<seed>` (spa_s0, format_s1, ...) belongs to row `<row>`; arms of several folders and leases are read
-together (their names must differ, as in study_curves.py; a run directory given itself is one arm). A row's success at
-a validation step is the mean of its seeds' success there, with a 95% Wilson interval over the pooled episodes (seeds
-× --val-episodes). The seeds validate on the same puzzles, so the pooled episodes are not independent and the interval
-is narrower than one that allows for the puzzles; the seeds' own values are printed beside it. Two columns: step 0
-(the start: Base for Vanilla RL, SFT-only for the others) and --step, by default the last validation step that every
-arm reached, so that every row is compared after the same number of PPO steps.
+together (their names must differ, as in study_curves.py; a run directory given itself is one arm; `NAME=RUN` names
+it: `grpo_guard_s4b=lease6/.../grpo_guard_s4`, seed 4 again from another SFT checkpoint, in row grpo_guard). A row's
+success at a validation step is the mean of its seeds' success there, with a 95% Wilson interval over the pooled
+episodes (seeds × --val-episodes). The seeds validate on the same puzzles, so the pooled episodes are not independent
+and the interval is narrower than one that allows for the puzzles; the seeds' own values are printed beside it. Two
+columns: step 0 (the start: Base for Vanilla RL, SFT-only for the others) and --step, by default the last validation
+step that every arm reached, so that every row is compared after the same number of PPO steps.
 Arms that have not validated at that step are left out of a row and named below the table.
 Where a row's arms log it (add_worldmodel prompts), the world model's accuracy before and after PPO: the share of
 turns whose observation is exactly the current state, and whose prediction is exactly the next one.
@@ -44,7 +45,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from backend_curves import curve, wilson  # noqa: E402
-from study_curves import environment, read_folders, rows_of, run_dirs  # noqa: E402
+from study_curves import environment, named_runs, read_folders, rows_of  # noqa: E402
 
 
 def common_step(arms: dict[str, list[dict]], key: str) -> int:
@@ -142,7 +143,8 @@ def sweep_of(run: Path) -> Path | None:
 def checkpoints_of(directories: list[Path]) -> dict[str, str]:
     """{arm: the sweep folder whose SFT checkpoint it started from (the run itself outside a sweep)} for the runs
     under `directories`."""
-    return {run.name: str(sweep_of(run) or run.resolve()) for directory in directories for run in run_dirs(directory)}
+    return {name: str(sweep_of(run) or run.resolve()) for directory in directories
+            for name, run in named_runs(directory)}
 
 
 def comparison_line(first: str, second: str, a: list[float], b: list[float], step: int, unit: str) -> str:
@@ -183,11 +185,11 @@ def world_model_evaluations(directories: list[Path]) -> dict[str, dict]:
     have a WM_EVAL evaluation: `<sweep>/wm_eval/<arm>/eval.json` for a run `<sweep>/ppo/<config>/<arm>`."""
     found = {}
     for directory in directories:
-        for run in run_dirs(directory):
+        for name, run in named_runs(directory):
             sweep = sweep_of(run)
             evaluation = sweep / "wm_eval" / run.name / "eval.json" if sweep else None
             if evaluation is not None and evaluation.is_file():
-                found[run.name] = json.loads(evaluation.read_text())
+                found[name] = json.loads(evaluation.read_text())
     return found
 
 
@@ -222,7 +224,8 @@ def onsets(arms: dict[str, list[dict]], level: float) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("directories", type=Path, nargs="+",
-                        help="folders holding one run directory per arm, or run directories (one arm each)")
+                        help="folders holding one run directory per arm, run directories (one arm each), or "
+                             "NAME=RUN: the run directory RUN as the arm NAME")
     parser.add_argument("--val-episodes", type=int, default=512, help="episodes per validation of one arm")
     parser.add_argument("--step", type=int, help="the validation step to compare at (default: the last one that "
                                                  "every arm reached)")

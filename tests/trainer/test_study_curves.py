@@ -124,7 +124,7 @@ def test_arms_of_several_sweeps_side_by_side(tmp_path):
                          "| vanilla_s0 | 0.035 [0.022, 0.055] | 0.500 [0.457, 0.543] | 25 |"]
     result = subprocess.run([*command[:3], str(spa)], capture_output=True, text=True)
     assert result.returncode == 2 and result.stderr.strip() == f"error: two arms are named spa_s0, one in {spa}: " \
-        "give each its own name"
+        "give each its own name (NAME=RUN)"
 
 
 def test_a_run_directory_is_one_arm(tmp_path):
@@ -138,6 +138,28 @@ def test_a_run_directory_is_one_arm(tmp_path):
     lines = subprocess.run(command, capture_output=True, text=True, check=True).stdout.splitlines()
     assert lines[2:] == ["| grpo_s0 | 0.035 [0.022, 0.055] | 0.250 [0.214, 0.289] | 25 |",
                          "| grpo_s1 | 0.035 [0.022, 0.055] | 0.500 [0.457, 0.543] | 25 |"]
+
+
+def test_name_equals_run_names_a_seed_run_again_from_another_sft_checkpoint(tmp_path):
+    """Two leases ran seed 1 from two SFT checkpoints, both directories named grpo_s1: NAME=RUN keeps both, and the
+    letter after the seed keeps the second in row grpo."""
+    earlier, later = tmp_path / "lease5", tmp_path / "lease6"
+    earlier.mkdir(), later.mkdir()
+    write_arm(earlier, "grpo_s1", 0.25, 25, critic=False)
+    write_arm(later, "grpo_s1", 0.5, 25, critic=False)
+    command = [sys.executable, str(SCRIPT), str(earlier), f"grpo_s1b={later / 'grpo_s1'}", "--out",
+               str(tmp_path / "c.png")]
+    lines = subprocess.run(command, capture_output=True, text=True, check=True).stdout.splitlines()
+    assert lines[2:] == ["| grpo_s1 | 0.035 [0.022, 0.055] | 0.250 [0.214, 0.289] | 25 |",
+                         "| grpo_s1b | 0.035 [0.022, 0.055] | 0.500 [0.457, 0.543] | 25 |"]
+    sys.path.insert(0, str(SCRIPT.parent))
+    import study_curves
+
+    assert study_curves.rows_of({"grpo_s1": [], "grpo_s1b": [], "format_s0": []}) == {
+        "grpo": ["grpo_s1", "grpo_s1b"], "format": ["format_s0"]}
+    missing = subprocess.run([*command[:3], f"grpo_s1b={later}"], capture_output=True, text=True)
+    assert missing.returncode == 2
+    assert missing.stderr.strip() == f"error: grpo_s1b={later}: {later} holds no metrics.jsonl"
 
 
 def test_a_gzip_compressed_metrics_file_reads_as_the_plain_one(tmp_path):

@@ -131,6 +131,28 @@ def test_compare_also_goes_over_sft_checkpoints_where_a_sweep_holds_several_seed
     assert "over SFT checkpoints" not in separate.stdout  # one seed a checkpoint: the seed line says it all
 
 
+def test_a_seed_run_again_from_another_checkpoint_is_named_into_its_row(tmp_path):
+    """Seed 1 of spa ran in lease 1 and again in lease 2 from lease 2's SFT checkpoint, both directories spa_s1:
+    `spa_s1b=RUN` makes the second a seed of row spa, and of lease 2's checkpoint."""
+    first, second = (tmp_path / lease / "wm" / "ppo" / "_2_sokoban" for lease in ("lease1", "lease2"))
+    write_arm(first, "spa_s0", {0: 0.0, 25: 0.40})
+    write_arm(first, "spa_s1", {0: 0.0, 25: 0.44})
+    write_arm(second, "spa_s1", {0: 0.0, 25: 0.30})
+    formats = [tmp_path / f"lease{seed + 3}" / "nowm" / "ppo" / "_2_sokoban" for seed in range(3)]
+    for seed, success in enumerate((0.30, 0.31, 0.32)):
+        write_arm(formats[seed], f"format_s{seed}", {0: 0.2, 25: success})
+    clash = run(first, second, *formats)
+    assert clash.returncode == 2 and "two arms are named spa_s1" in clash.stderr
+    done = run(first, f"spa_s1b={second / 'spa_s1'}", *formats, "--compare", "spa", "format")
+    assert done.returncode == 0, done.stderr
+    # 0.380 over 3 x 512 episodes: Wilson [0.356, 0.405]
+    assert "| spa | 3 | 0.000 [0.000, 0.002] | 0.380 [0.356, 0.405] | +0.380 | 0.400, 0.440, 0.300 |" in done.stdout
+    seed_line, checkpoint_line = done.stdout.splitlines()[-2:]
+    assert seed_line.startswith("spa − format at step 25, over seeds (3 and 3): +0.070,")
+    # checkpoints: lease 1's two seeds averaged (0.42) and lease 2's one (0.30), against 0.30, 0.31, 0.32
+    assert checkpoint_line.startswith("spa − format at step 25, over SFT checkpoints (2 and 3): +0.050,")
+
+
 def test_wm_eval_evaluations_beside_the_runs_make_a_world_model_table(tmp_path):
     """smollm2_sweep.sh's WM_EVAL writes <sweep>/wm_eval/<arm>/eval.json beside <sweep>/ppo/<config>/<arm>."""
     runs = tmp_path / "table2_wm" / "ppo" / "_2_sokoban"
