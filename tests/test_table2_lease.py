@@ -134,9 +134,17 @@ def test_the_studys_fourth_lease_runs_vanilla_rl_and_spa_in_its_own_prompts_unde
 
 def test_the_studys_fifth_lease_adds_seeds_4_to_6_of_both_grpo_guard_rows():
     guard = {name: overrides for name, _, overrides in study300_arms()[:4]}["grpo_guard"]
-    lease5 = {name: (start, overrides) for name, start, overrides in study300_arms()[20:]}
+    lease5 = {name: (start, overrides) for name, start, overrides in study300_arms()[20:26]}
     assert lease5 == {f"{prefix}grpo_guard_s{seed}": (start, [*guard, f"trainer.seed={seed}", f"generator.seed={seed}"])
                       for seed in (4, 5, 6) for prefix, start in [("", "wm"), ("format_", "nowm")]}
+
+
+def test_the_studys_seventh_lease_adds_seeds_7_to_9_of_both_grpo_guard_rows():
+    """New seed numbers for new SFT checkpoints: a seed run again from another checkpoint is another observation."""
+    guard = {name: overrides for name, _, overrides in study300_arms()[:4]}["grpo_guard"]
+    lease7 = {name: (start, overrides) for name, start, overrides in study300_arms()[26:]}
+    assert lease7 == {f"{prefix}grpo_guard_s{seed}": (start, [*guard, f"trainer.seed={seed}", f"generator.seed={seed}"])
+                      for seed in (7, 8, 9) for prefix, start in [("", "wm"), ("format_", "nowm")]}
 
 
 @pytest.mark.parametrize("name, start, overrides", study300_arms(), ids=[a[0] for a in study300_arms()])
