@@ -19,14 +19,13 @@ gzip-compressed `.jsonl.gz` that docs/results keeps as the plain file.
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 from collections import Counter
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from SPA_agent.rollout.parsing import MODES, parse_response
+from SPA_agent.runs.metrics_file import read_records
 
 NAMES = ("val_generations.jsonl", "val_generations.jsonl.gz")
 THINK_CHARS = 60
@@ -38,18 +37,6 @@ def generations_file(path: Path) -> Path:
     if found is None or not found.is_file():
         raise FileNotFoundError(f"{path}: no {' or '.join(NAMES)}" if path.is_dir() else f"{path}: no such file")
     return found
-
-
-def read_records(path: Path) -> list[dict]:
-    """The file's records; a cut-short last line (a run stopped mid-write) dropped."""
-    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
-    records = []
-    for line in text.splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
 
 
 def parser_settings(path: Path, mode: str | None) -> dict:
@@ -104,7 +91,10 @@ def main() -> None:
         path = generations_file(args.path)
     except FileNotFoundError as error:
         parser.exit(2, f"error: {error}\n")
-    records = read_records(path)
+    try:
+        records, _ = read_records(path)  # a cut-short last line (a run stopped mid-write) dropped
+    except ValueError as error:
+        parser.exit(2, f"error: {error}\n")
     if not records:
         parser.exit(2, f"error: {path}: no records\n")
     print(summary(records, parser_settings(path, args.mode), args.top))

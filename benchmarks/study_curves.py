@@ -24,14 +24,14 @@ curves are thin lines without intervals."""
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from backend_curves import curve, panel_grid, wilson  # noqa: E402
+
+from SPA_agent.runs.metrics_file import read_records  # noqa: E402
 
 PANELS = (("val-env/{env}/success", "validation success"), ("train/{env}/success", "training success"),
           ("train/diag/format_valid", "well-formed training turns"), ("diag/entropy/answer", "answer-span entropy"),
@@ -74,15 +74,7 @@ def read_arms(directory: Path) -> dict[str, list[dict]]:
     """{arm: its metrics records} for the runs of a directory argument (`named_runs`); a cut-short line dropped."""
     arms = {}
     for name, run in named_runs(directory):
-        path = metrics_file(run)
-        text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
-        records = []
-        for line in text.splitlines():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-        arms[name] = records
+        arms[name], _ = read_records(metrics_file(run))
     return arms
 
 

@@ -1,11 +1,13 @@
 """Reading a metrics.jsonl (one JSON object per line, appended step by step by the PPO and SFT loggers).
 
 A run killed while appending can leave its last line cut short: that line is dropped (the resumed run logs the
-step again). A bad line anywhere else is a user-facing error naming the file and the line.
+step again). A bad line anywhere else is a user-facing error naming the file and the line. A `.gz` file is read as
+the plain file it compresses (docs/results keeps the runs' files gzip-compressed).
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -18,7 +20,8 @@ def read_records(path: Path) -> tuple[list[dict], bool]:
     path = Path(path)
     if not path.exists():
         return [], True
-    lines = path.read_text(encoding="utf-8").splitlines()
+    data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    lines = data.decode("utf-8").splitlines()
     records, intact = [], True
     for number, line in enumerate(lines, 1):
         if not line.strip():
