@@ -2,7 +2,8 @@
 # A lease of the 300-step study from lease 5 on (README.md beside this file): issue 42's two open measurements first,
 # on the fresh machine, then the arms ARMS through ../smollm2_table2/job.sh. The calling lease has joined the GGUF into
 # /tmp/smol.gguf, installed the wheels into /tmp/site and copied the tree to /tmp/repo (job.sh's header), and starts
-# this script with setsid from /tmp/repo. Lease 5 ran it as lease5.sh (commit 07f218a) with BENCH=0.
+# this script with setsid from /tmp/repo. Lease 5 ran it as lease5.sh (commit 07f218a) with BENCH=0, lease 6 (6b29db6)
+# with BENCH=1 on one GPU; issue 42's measurements are done since, so lease 7 on runs BENCH=0.
 #
 #   BENCH=1 (default) first runs issue 42's benchmarks, into /tmp/out/b42/ and /tmp/out/ppo_0.5b*.{json,log}:
 #     benchmarks/smollm2_step.sh /tmp/out/b42   the SFT epoch of the preset's recipe (its data made there) alone
