@@ -226,24 +226,25 @@ def run_lease_script(tmp_path: Path, **env: str) -> tuple[Path, Path]:
 
 
 def test_the_300_step_studys_lease_script_runs_its_readmes_next_lease(tmp_path):
-    """lease.sh with the README's lease 6 command (BENCH=0 here): each SFT on a GPU of its own (a sweep's first GPU),
-    the arms placed as named, every arm with lease.sh's sharing overrides, STEPS through to the sweeps, and the world
-    model evaluated after PPO."""
+    """lease.sh with the README's lease 7 command: each SFT on a GPU of its own (a sweep's first GPU), the arms placed
+    as named, every arm with lease.sh's sharing overrides, STEPS through to the sweeps, and the world model evaluated
+    after PPO."""
     readme = (REPO / "docs" / "results" / "smollm2_study300" / "README.md").read_text()
-    command = readme[readme.index("## Lease 6"):]
+    command = readme[readme.index("## Lease 7"):]
     arms, steps = re.search(r'ARMS="([^"]+)"', command).group(1), re.search(r"STEPS=(\d+)", command).group(1)
+    assert re.search(r"BENCH=(\d)", command).group(1) == "0"
     work, study = run_lease_script(tmp_path, BENCH="0", ARMS=arms, STEPS=steps)
     overrides = re.search(r'(?<!_)OVERRIDES="([^"]+)"', (study / "lease.sh").read_text()).group(1)  # not SFT_'s
     assert not (work / "out" / "b42").exists()
     logs = {start: work / f"table2_{start}" / "logs" for start in ("wm", "nowm")}
-    assert (logs["wm"] / "gpu_ids").read_text().split() == ["0", "0", "1"]  # grpo_guard_s4, s5, s6
-    assert (logs["nowm"] / "gpu_ids").read_text().split() == ["1", "0"]  # format_grpo_guard_s4, s5
+    assert (logs["wm"] / "gpu_ids").read_text().split() == ["0", "0", "1"]  # grpo_guard_s7, s8, s9
+    assert (logs["nowm"] / "gpu_ids").read_text().split() == ["1"]  # format_grpo_guard_s7
     assert not (work / "table2_base").exists()
     for start, log in logs.items():
         assert (log / "steps").read_text().strip() == steps == "275"
         assert (log / "wm_eval").read_text().strip() == ("1" if start == "wm" else "0")
         settings = [line for line in (log / "settings").read_text().splitlines() if line]
-        assert len(settings) == (3 if start == "wm" else 2)
+        assert len(settings) == (3 if start == "wm" else 1)
         assert all(line.endswith(overrides) for line in settings)
     assert "config=_2_sokoban gpus=2" in (work / "out" / "progress.txt").read_text()
     cfg = compose("_2_sokoban", ["model=smollm2-135m", *SWEEP, *study300_arms()[-1][2], *overrides.split()])
