@@ -2,6 +2,7 @@
 
     python benchmarks/study_curves.py <sweep_out>/ppo/_2_sokoban --out curves.png --val-episodes 512
     python benchmarks/study_curves.py table2_wm/ppo/_2_sokoban table2_nowm/ppo/_2_sokoban ...   # several sweeps
+    python benchmarks/study_curves.py @docs/results/smollm2_study300/grpo_guard_runs.txt --by-row   # listed runs
 
 Reads `<run>/metrics.jsonl` (or its gzip-compressed `metrics.jsonl.gz`) of every run directory there (one arm each;
 with several folders, the arms of all of them, whose names must differ; a run directory given itself is that one arm,
@@ -13,7 +14,8 @@ explained variance, the tokens a training trajectory sampled (its mean), the ste
 memory and the memory its process held, and in add_worldmodel prompts the validation's world-model accuracy (the share
 of turns whose written observation, and prediction, is exactly the true current and next state; no interval: its count
 is turns, not episodes) (panels no arm logs are left out). Prints the validation success per arm and step as a
-markdown table, with the intervals, and each arm's last step.
+markdown table, with the intervals, and each arm's last step. `@FILE` reads arguments from FILE, one a line (`#`
+comments and blank lines skipped).
 
 --by-row colours the arms by row, for many seeds of few settings: the arms `<row>_s<seed>` of one row (as in
 table2_rows.py) share a colour and one legend entry, and the validation success panel draws each row's mean over
@@ -42,6 +44,18 @@ PANELS = (("val-env/{env}/success", "validation success"), ("train/{env}/success
           ("memory_gb/step", "GPU memory: the step's peak, GiB"), ("memory_gb/reserved", "GPU memory held, GiB"),
           ("val-env/{env}/worldmodel/observation_exact", "validation: observation exact"),
           ("val-env/{env}/worldmodel/prediction_exact", "validation: prediction exact"))
+
+
+class RunsParser(argparse.ArgumentParser):
+    """Arguments from `@FILE` too, one a line, blank lines and `#` comments skipped: a file that lists the runs behind
+    a result (docs/results/smollm2_study300/grpo_guard_runs.txt), so that one command reproduces it."""
+
+    def __init__(self, **kwargs):
+        super().__init__(fromfile_prefix_chars="@", formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+
+    def convert_arg_line_to_args(self, arg_line: str) -> list[str]:
+        line = arg_line.strip()
+        return [] if not line or line.startswith("#") else [line]
 
 
 def metrics_file(run: Path) -> Path | None:
@@ -160,7 +174,7 @@ def markdown(arms: dict[str, list[dict]], key: str, episodes: int) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = RunsParser(description=__doc__)
     parser.add_argument("directories", type=Path, nargs="+",
                         help="folders holding one run directory per arm, run directories (one arm each), or "
                              "NAME=RUN: the run directory RUN as the arm NAME")

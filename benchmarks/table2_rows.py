@@ -3,6 +3,8 @@ seeds pooled.
 
     python benchmarks/table2_rows.py lease1/table2_wm/ppo/_2_sokoban lease1/table2_nowm/ppo/_2_sokoban \\
         lease2/table2_wm/ppo/_2_sokoban ... --val-episodes 512
+    python benchmarks/table2_rows.py @docs/results/smollm2_study300/grpo_guard_runs.txt --step 275 \\
+        --compare grpo_guard format_grpo_guard   # the runs a file lists (`#` comments skipped), one a line
 
 An arm `<row>_s<seed>` (spa_s0, format_s1, ...) belongs to row `<row>`; arms of several folders and leases are read
 together (their names must differ, as in study_curves.py; a run directory given itself is one arm; `NAME=RUN` names
@@ -35,7 +37,6 @@ its last validation (e.g. the SFT-only model's success + 0.05). Seeds of one set
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import math
@@ -45,7 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from backend_curves import curve, wilson  # noqa: E402
-from study_curves import environment, named_runs, read_folders, rows_of  # noqa: E402
+from study_curves import RunsParser, environment, named_runs, read_folders, rows_of  # noqa: E402
 
 
 def common_step(arms: dict[str, list[dict]], key: str) -> int:
@@ -222,7 +223,7 @@ def onsets(arms: dict[str, list[dict]], level: float) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = RunsParser(description=__doc__)
     parser.add_argument("directories", type=Path, nargs="+",
                         help="folders holding one run directory per arm, run directories (one arm each), or "
                              "NAME=RUN: the run directory RUN as the arm NAME")

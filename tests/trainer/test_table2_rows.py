@@ -169,3 +169,24 @@ def test_wm_eval_evaluations_beside_the_runs_make_a_world_model_table(tmp_path):
             "| arm (last checkpoint, the SFT's own prompts) | success | observation exact | prediction exact |\n"
             "|---|---|---|---|\n| grpo_guard_s3 | 0.250 | 0.900 | 0.050 |\n")
     assert "| arm (last checkpoint" not in run(runs / "grpo_guard_s4").stdout  # no table without an evaluation
+
+
+def test_the_studys_runs_file_reproduces_its_step_275_comparison():
+    """docs/smollm2.md's Table 2: the runs docs/results/smollm2_study300/grpo_guard_runs.txt lists (read as @FILE,
+    its comments skipped), compared at step 275, give the numbers the docs report."""
+    repo = SCRIPT.parents[1]
+    done = subprocess.run([sys.executable, str(SCRIPT), "@docs/results/smollm2_study300/grpo_guard_runs.txt",
+                           "--step", "275", "--compare", "grpo_guard", "format_grpo_guard"],
+                          capture_output=True, text=True, cwd=repo)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[2].startswith("| grpo_guard | 4 | 0.006 [0.003, 0.010] | 0.389 [0.369, 0.411] | +0.384 |")
+    assert lines[3].startswith("| format_grpo_guard | 5 | 0.195 [0.180, 0.211] | 0.332 [0.314, 0.351] | +0.137 |")
+    assert lines[5] == ("not validated at step 275: grpo_guard_s4, grpo_guard_s5, grpo_guard_s6, grpo_guard_s4b, "
+                        "grpo_guard_s5b, format_grpo_guard_s4, format_grpo_guard_s5, format_grpo_guard_s5b")
+    seeds, checkpoints = (line for line in lines if line.startswith("grpo_guard − format_grpo_guard at step 275"))
+    assert seeds.startswith("grpo_guard − format_grpo_guard at step 275, over seeds (4 and 5): +0.057, Welch 95% "
+                            "interval [-0.013, +0.128] (df 5.3); exact permutation test of the seeds: one-sided "
+                            "p = 0.032")
+    assert checkpoints.startswith("grpo_guard − format_grpo_guard at step 275, over SFT checkpoints (3 and 4): +0.062")
+    assert lines[-1].startswith("| grpo_guard_s3 | 0.287 |")  # its world model after PPO, in the SFT's prompts
