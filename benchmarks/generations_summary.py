@@ -25,17 +25,21 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from SPA_agent.rollout.parsing import MODES, parse_response
-from SPA_agent.runs.metrics_file import read_records
+from SPA_agent.runs.metrics_file import jsonl_in, read_records
+from SPA_agent.trainer.generations_log import GENERATIONS_FILE
 
-NAMES = ("val_generations.jsonl", "val_generations.jsonl.gz")
 THINK_CHARS = 60
 
 
 def generations_file(path: Path) -> Path:
     """`path` itself, or the val_generations.jsonl[.gz] of a run directory; FileNotFoundError if there is none."""
-    found = next((path / name for name in NAMES if (path / name).is_file()), None) if path.is_dir() else path
-    if found is None or not found.is_file():
-        raise FileNotFoundError(f"{path}: no {' or '.join(NAMES)}" if path.is_dir() else f"{path}: no such file")
+    if not path.is_dir():
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no such file")
+        return path
+    found = jsonl_in(path, GENERATIONS_FILE)
+    if found is None:
+        raise FileNotFoundError(f"{path}: no {GENERATIONS_FILE} or {GENERATIONS_FILE}.gz")
     return found
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from backend_curves import curve, panel_grid, wilson  # noqa: E402
 
-from SPA_agent.runs.metrics_file import read_records  # noqa: E402
+from SPA_agent.runs.metrics_file import jsonl_in, read_records  # noqa: E402
 
 PANELS = (("val-env/{env}/success", "validation success"), ("train/{env}/success", "training success"),
           ("train/diag/format_valid", "well-formed training turns"), ("diag/entropy/answer", "answer-span entropy"),
@@ -59,8 +59,8 @@ class RunsParser(argparse.ArgumentParser):
 
 
 def metrics_file(run: Path) -> Path | None:
-    """A run directory's metrics.jsonl, or its gzip-compressed metrics.jsonl.gz (docs/results keeps those)."""
-    return next((path for path in (run / "metrics.jsonl", run / "metrics.jsonl.gz") if path.is_file()), None)
+    """A run directory's metrics.jsonl, or its gzip-compressed metrics.jsonl.gz."""
+    return jsonl_in(run, "metrics.jsonl")
 
 
 def run_dirs(directory: Path) -> list[Path]:

@@ -14,6 +14,11 @@ from pathlib import Path
 from SPA_agent.runs.atomic_io import write_jsonl
 
 
+def jsonl_in(directory: Path, name: str) -> Path | None:
+    """`directory/name`, or its gzip-compressed `name.gz` (docs/results keeps those); None if neither is a file."""
+    return next((path for path in (directory / name, directory / f"{name}.gz") if path.is_file()), None)
+
+
 def read_records(path: Path) -> tuple[list[dict], bool]:
     """(records, intact): the JSON objects of `path` in order ([] if it does not exist); `intact` is False when a
     cut-short last line was dropped, so a writer must rewrite the file before appending."""
