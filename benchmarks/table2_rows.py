@@ -30,6 +30,12 @@ Arms whose sweep ran with WM_EVAL=1 (benchmarks/smollm2_sweep.sh: `<sweep>/wm_ev
 `<sweep>/ppo/`) get one more table: their last checkpoint in the SFT's own prompts, success and the world model's
 accuracy, which a PPO in base prompts never shows.
 
+--count-stopped counts the runs that `trainer.stop_after_uniform_scores` ended (every trajectory scored alike in the
+last N steps: a format collapse, GRPO's advantages all 0) at --step with the validation of their stop, instead of
+leaving them out as runs cut short are: no reward difference was left to learn from, so they are the recipe's
+failures, not missing data. That they would not have recovered is an assumption (the Vanilla RL arm, run on with
+uniform scores, never did); the output names the runs it carried.
+
 --onset LEVEL adds each arm's onset: the first validation step from which its success stays at or above LEVEL up to
 its last validation (e.g. the SFT-only model's success + 0.05). Seeds of one setting rose ~75 steps apart in the
 300-step study, so a row compared at one step can measure when its seeds rose more than where they go.
@@ -44,9 +50,13 @@ import statistics
 import sys
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from backend_curves import curve, wilson  # noqa: E402
-from study_curves import RunsParser, environment, named_runs, read_folders, rows_of  # noqa: E402
+from study_curves import RunsParser, environment, metrics_file, named_runs, read_folders, rows_of  # noqa: E402
+
+from SPA_agent.runs.metrics_file import read_records  # noqa: E402
 
 
 def common_step(arms: dict[str, list[dict]], key: str) -> int:
@@ -181,6 +191,30 @@ def compare(arms: dict[str, list[dict]], first: str, second: str, step: int,
     return "\n".join(lines)
 
 
+def stopped_by_uniform_scores(run: Path) -> bool:
+    """Whether `trainer.stop_after_uniform_scores` (the run's config.yaml) ended the run: its last step's uniform-score
+    streak reached it."""
+    config = run / "config.yaml"
+    threshold = OmegaConf.load(config).trainer.get("stop_after_uniform_scores") if config.is_file() else None
+    records, _ = read_records(metrics_file(run))
+    streaks = [record["rollout/uniform_score_streak"] for record in records if "rollout/uniform_score_streak" in record]
+    return threshold is not None and bool(streaks) and streaks[-1] >= threshold
+
+
+def carry_stopped(arms: dict[str, list[dict]], directories: list[Path], step: int) -> tuple[dict, list[str]]:
+    """(`arms` with each run the stop rule ended before `step` given its last validation's success at `step`, the
+    lines naming them): --count-stopped (module docstring)."""
+    success, carried, notes = f"val-env/{environment(arms)}/success", dict(arms), []
+    for directory in directories:
+        for name, run in named_runs(directory):
+            values = curve(arms[name], success)
+            if values and max(values) < step and stopped_by_uniform_scores(run):
+                last = max(values)
+                carried[name] = [*arms[name], {"step": step, success: values[last]}]
+                notes.append(f"{name} ({values[last]:.3f} at step {last})")
+    return carried, notes
+
+
 def world_model_evaluations(directories: list[Path]) -> dict[str, dict]:
     """{arm: its eval.json} for the arms under `directories` (run folders or runs, as read_folders reads them) that
     have a WM_EVAL evaluation: `<sweep>/wm_eval/<arm>/eval.json` for a run `<sweep>/ppo/<config>/<arm>`."""
@@ -230,6 +264,8 @@ def main() -> None:
     parser.add_argument("--val-episodes", type=int, default=512, help="episodes per validation of one arm")
     parser.add_argument("--step", type=int, help="the validation step to compare at (default: the last one that "
                                                  "every arm reached)")
+    parser.add_argument("--count-stopped", action="store_true",
+                        help="count runs the stop rule ended (a format collapse) at --step with their last validation")
     parser.add_argument("--onset", type=float, metavar="LEVEL",
                         help="also each arm's first validation step from which its success stays >= LEVEL")
     parser.add_argument("--compare", nargs=2, metavar=("ROW_A", "ROW_B"),
@@ -237,6 +273,11 @@ def main() -> None:
     args = parser.parse_args()
     arms = read_folders(parser, args.directories)
     step = common_step(arms, f"val-env/{environment(arms)}/success") if args.step is None else args.step
+    observed = arms
+    if args.count_stopped:
+        arms, carried = carry_stopped(arms, args.directories, step)
+        if carried:
+            print(f"counted at step {step} with the validation of their stop (--count-stopped): {', '.join(carried)}\n")
     print(table(arms, step, args.val_episodes))
     if args.compare:
         try:
@@ -247,7 +288,7 @@ def main() -> None:
     if evaluations:
         print(f"\n{world_model_table(evaluations, environment(arms))}")
     if args.onset is not None:
-        print(f"\n{onsets(arms, args.onset)}")
+        print(f"\n{onsets(observed, args.onset)}")
 
 
 if __name__ == "__main__":

@@ -153,6 +153,39 @@ def test_a_seed_run_again_from_another_checkpoint_is_named_into_its_row(tmp_path
     assert checkpoint_line.startswith("spa − format at step 25, over SFT checkpoints (2 and 3): +0.050,")
 
 
+def write_stopped_arm(directory: Path, name: str, stop_step: int, threshold: int):
+    """A run the stop rule ended at `stop_step`: its last `threshold` steps scored every trajectory alike, its config
+    asks to stop after `threshold` such steps, its validations at 0 and at the stop found no success."""
+    write_arm(directory, name, {0: 0.01, stop_step: 0.0})
+    records = [json.loads(line) for line in (directory / name / "metrics.jsonl").read_text().splitlines()]
+    for record in records:
+        record["rollout/uniform_score_streak"] = float(max(0, record["step"] - stop_step + threshold))
+    (directory / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (directory / name / "config.yaml").write_text(f"trainer:\n  stop_after_uniform_scores: {threshold}\n")
+
+
+def test_count_stopped_counts_a_collapsed_run_at_the_step_and_leaves_a_cut_short_one_out(tmp_path):
+    """spa_s1 collapsed (the stop rule ended it at step 10 with no success), spa_s2 was cut short at step 25 (a
+    lease's end, no uniform scores): at step 50 the first counts with its 0.000 under --count-stopped, the second
+    never."""
+    write_arm(tmp_path, "spa_s0", {0: 0.01, 25: 0.2, 50: 0.3})
+    write_stopped_arm(tmp_path, "spa_s1", stop_step=10, threshold=3)
+    write_arm(tmp_path, "spa_s2", {0: 0.01, 25: 0.25})
+    (tmp_path / "spa_s2" / "config.yaml").write_text("trainer:\n  stop_after_uniform_scores: 3\n")
+    plain = run(tmp_path, "--step", "50")
+    assert plain.returncode == 0, plain.stderr
+    assert "| spa | 1 | 0.010 [0.004, 0.023] | 0.300 [0.262, 0.341] | +0.290 | 0.300 |" in plain.stdout
+    assert plain.stdout.strip().endswith("not validated at step 50: spa_s1, spa_s2")
+    counted = run(tmp_path, "--step", "50", "--count-stopped")
+    assert counted.returncode == 0, counted.stderr
+    lines = counted.stdout.splitlines()
+    assert lines[0] == ("counted at step 50 with the validation of their stop (--count-stopped): "
+                        "spa_s1 (0.000 at step 10)")
+    # 0.150 over 2 x 512 episodes: Wilson [0.129, 0.173]
+    assert "| spa | 2 | 0.010 [0.005, 0.018] | 0.150 [0.129, 0.173] | +0.140 | 0.300, 0.000 |" in counted.stdout
+    assert counted.stdout.strip().endswith("not validated at step 50: spa_s2")
+
+
 def test_wm_eval_evaluations_beside_the_runs_make_a_world_model_table(tmp_path):
     """smollm2_sweep.sh's WM_EVAL writes <sweep>/wm_eval/<arm>/eval.json beside <sweep>/ppo/<config>/<arm>."""
     runs = tmp_path / "table2_wm" / "ppo" / "_2_sokoban"
@@ -173,20 +206,32 @@ def test_wm_eval_evaluations_beside_the_runs_make_a_world_model_table(tmp_path):
 
 def test_the_studys_runs_file_reproduces_its_step_275_comparison():
     """docs/smollm2.md's Table 2: the runs docs/results/smollm2_study300/grpo_guard_runs.txt lists (read as @FILE,
-    its comments skipped), compared at step 275, give the numbers the docs report."""
+    its comments skipped), compared at step 275, give the numbers the docs report, without and with the two
+    world-model runs of lease 7 that the stop rule ended (--count-stopped)."""
     repo = SCRIPT.parents[1]
-    done = subprocess.run([sys.executable, str(SCRIPT), "@docs/results/smollm2_study300/grpo_guard_runs.txt",
-                           "--step", "275", "--compare", "grpo_guard", "format_grpo_guard"],
-                          capture_output=True, text=True, cwd=repo)
+    command = [sys.executable, str(SCRIPT), "@docs/results/smollm2_study300/grpo_guard_runs.txt", "--step", "275",
+               "--compare", "grpo_guard", "format_grpo_guard"]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=repo)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[2].startswith("| grpo_guard | 4 | 0.006 [0.003, 0.010] | 0.389 [0.369, 0.411] | +0.384 |")
-    assert lines[3].startswith("| format_grpo_guard | 5 | 0.195 [0.180, 0.211] | 0.332 [0.314, 0.351] | +0.137 |")
+    assert lines[3].startswith("| format_grpo_guard | 6 | 0.194 [0.181, 0.209] | 0.339 [0.322, 0.356] | +0.144 |")
     assert lines[5] == ("not validated at step 275: grpo_guard_s4, grpo_guard_s5, grpo_guard_s6, grpo_guard_s4b, "
-                        "grpo_guard_s5b, format_grpo_guard_s4, format_grpo_guard_s5, format_grpo_guard_s5b")
+                        "grpo_guard_s5b, grpo_guard_s7, grpo_guard_s8, grpo_guard_s9, format_grpo_guard_s4, "
+                        "format_grpo_guard_s5, format_grpo_guard_s5b")
     seeds, checkpoints = (line for line in lines if line.startswith("grpo_guard − format_grpo_guard at step 275"))
-    assert seeds.startswith("grpo_guard − format_grpo_guard at step 275, over seeds (4 and 5): +0.057, Welch 95% "
-                            "interval [-0.013, +0.128] (df 5.3); exact permutation test of the seeds: one-sided "
-                            "p = 0.032")
-    assert checkpoints.startswith("grpo_guard − format_grpo_guard at step 275, over SFT checkpoints (3 and 4): +0.062")
+    assert seeds.startswith("grpo_guard − format_grpo_guard at step 275, over seeds (4 and 6): +0.051, Welch 95% "
+                            "interval [-0.019, +0.120] (df 5.2); exact permutation test of the seeds: one-sided "
+                            "p = 0.048")
+    assert checkpoints.startswith("grpo_guard − format_grpo_guard at step 275, over SFT checkpoints (3 and 5): +0.054")
     assert lines[-1].startswith("| grpo_guard_s3 | 0.287 |")  # its world model after PPO, in the SFT's prompts
+
+    counted = subprocess.run([*command, "--count-stopped"], capture_output=True, text=True, cwd=repo)
+    assert counted.returncode == 0, counted.stderr
+    lines = counted.stdout.splitlines()
+    assert lines[0] == ("counted at step 275 with the validation of their stop (--count-stopped): "
+                        "grpo_guard_s8 (0.000 at step 58), grpo_guard_s9 (0.000 at step 24)")
+    assert lines[4].startswith("| grpo_guard | 6 | 0.005 [0.003, 0.008] | 0.260 [0.244, 0.275] | +0.255 | "
+                               "0.456, 0.384, 0.369, 0.349, 0.000, 0.000 |")
+    assert any(line.startswith("grpo_guard − format_grpo_guard at step 275, over seeds (6 and 6): -0.079, Welch 95% "
+                               "interval [-0.293, +0.135]") for line in lines)
