@@ -142,9 +142,16 @@ def test_the_studys_fifth_lease_adds_seeds_4_to_6_of_both_grpo_guard_rows():
 def test_the_studys_seventh_lease_adds_seeds_7_to_9_of_both_grpo_guard_rows():
     """New seed numbers for new SFT checkpoints: a seed run again from another checkpoint is another observation."""
     guard = {name: overrides for name, _, overrides in study300_arms()[:4]}["grpo_guard"]
-    lease7 = {name: (start, overrides) for name, start, overrides in study300_arms()[26:]}
+    lease7 = {name: (start, overrides) for name, start, overrides in study300_arms()[26:32]}
     assert lease7 == {f"{prefix}grpo_guard_s{seed}": (start, [*guard, f"trainer.seed={seed}", f"generator.seed={seed}"])
                       for seed in (7, 8, 9) for prefix, start in [("", "wm"), ("format_", "nowm")]}
+
+
+def test_the_studys_eighth_lease_adds_world_model_seeds_10_to_13():
+    guard = {name: overrides for name, _, overrides in study300_arms()[:4]}["grpo_guard"]
+    lease8 = {name: (start, overrides) for name, start, overrides in study300_arms()[32:]}
+    assert lease8 == {f"grpo_guard_s{seed}": ("wm", [*guard, f"trainer.seed={seed}", f"generator.seed={seed}"])
+                      for seed in (10, 11, 12, 13)}
 
 
 @pytest.mark.parametrize("name, start, overrides", study300_arms(), ids=[a[0] for a in study300_arms()])
@@ -226,26 +233,23 @@ def run_lease_script(tmp_path: Path, **env: str) -> tuple[Path, Path]:
 
 
 def test_the_300_step_studys_lease_script_runs_its_readmes_next_lease(tmp_path):
-    """lease.sh with the README's lease 7 command: each SFT on a GPU of its own (a sweep's first GPU), the arms placed
-    as named, every arm with lease.sh's sharing overrides, STEPS through to the sweeps, and the world model evaluated
-    after PPO."""
+    """lease.sh with the README's lease 8 command: one world-model SFT (on GPU 0), two arms on each GPU, every arm
+    with lease.sh's sharing overrides, STEPS through to the sweep, and the world model evaluated after PPO."""
     readme = (REPO / "docs" / "results" / "smollm2_study300" / "README.md").read_text()
-    command = readme[readme.index("## Lease 7"):]
+    command = readme[readme.index("## Lease 8"):]
     arms, steps = re.search(r'ARMS="([^"]+)"', command).group(1), re.search(r"STEPS=(\d+)", command).group(1)
     assert re.search(r"BENCH=(\d)", command).group(1) == "0"
     work, study = run_lease_script(tmp_path, BENCH="0", ARMS=arms, STEPS=steps)
     overrides = re.search(r'(?<!_)OVERRIDES="([^"]+)"', (study / "lease.sh").read_text()).group(1)  # not SFT_'s
     assert not (work / "out" / "b42").exists()
-    logs = {start: work / f"table2_{start}" / "logs" for start in ("wm", "nowm")}
-    assert (logs["wm"] / "gpu_ids").read_text().split() == ["0", "0", "1"]  # grpo_guard_s7, s8, s9
-    assert (logs["nowm"] / "gpu_ids").read_text().split() == ["1"]  # format_grpo_guard_s7
-    assert not (work / "table2_base").exists()
-    for start, log in logs.items():
-        assert (log / "steps").read_text().strip() == steps == "275"
-        assert (log / "wm_eval").read_text().strip() == ("1" if start == "wm" else "0")
-        settings = [line for line in (log / "settings").read_text().splitlines() if line]
-        assert len(settings) == (3 if start == "wm" else 1)
-        assert all(line.endswith(overrides) for line in settings)
+    log = work / "table2_wm" / "logs"
+    assert (log / "gpu_ids").read_text().split() == ["0", "0", "1", "1"]  # grpo_guard_s10, s11, s12, s13
+    assert not (work / "table2_nowm").exists() and not (work / "table2_base").exists()
+    assert (log / "steps").read_text().strip() == steps == "275"
+    assert (log / "wm_eval").read_text().strip() == "1"
+    settings = [line for line in (log / "settings").read_text().splitlines() if line]
+    assert [line.split()[0] for line in settings] == [f"grpo_guard_s{seed}" for seed in (10, 11, 12, 13)]
+    assert all(line.endswith(overrides) for line in settings)
     assert "config=_2_sokoban gpus=2" in (work / "out" / "progress.txt").read_text()
     cfg = compose("_2_sokoban", ["model=smollm2-135m", *SWEEP, *study300_arms()[-1][2], *overrides.split()])
     check_config(cfg)
