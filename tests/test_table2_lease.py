@@ -147,11 +147,14 @@ def test_the_studys_seventh_lease_adds_seeds_7_to_9_of_both_grpo_guard_rows():
                       for seed in (7, 8, 9) for prefix, start in [("", "wm"), ("format_", "nowm")]}
 
 
-def test_the_studys_eighth_lease_adds_world_model_seeds_10_to_13():
+def test_the_studys_eighth_lease_adds_world_model_seeds_10_to_12_and_vanilla_rl_seeds_3_to_5():
+    """Vanilla RL: lease 4's arms' recipe (the untouched model on the plain grid, grpo_guard) with new seeds."""
     guard = {name: overrides for name, _, overrides in study300_arms()[:4]}["grpo_guard"]
+    vanilla = {name: (start, overrides) for name, start, overrides in study300_arms()}["vanilla_grpo_guard"]
     lease8 = {name: (start, overrides) for name, start, overrides in study300_arms()[32:]}
-    assert lease8 == {f"grpo_guard_s{seed}": ("wm", [*guard, f"trainer.seed={seed}", f"generator.seed={seed}"])
-                      for seed in (10, 11, 12, 13)}
+    seeded = lambda overrides, seed: [*overrides, f"trainer.seed={seed}", f"generator.seed={seed}"]  # noqa: E731
+    assert lease8 == {**{f"grpo_guard_s{seed}": ("wm", seeded(guard, seed)) for seed in (10, 11, 12)},
+                      **{f"vanilla_grpo_guard_s{seed}": ("base", seeded(vanilla[1][:-2], seed)) for seed in (3, 4, 5)}}
 
 
 @pytest.mark.parametrize("name, start, overrides", study300_arms(), ids=[a[0] for a in study300_arms()])
@@ -233,8 +236,9 @@ def run_lease_script(tmp_path: Path, **env: str) -> tuple[Path, Path]:
 
 
 def test_the_300_step_studys_lease_script_runs_its_readmes_next_lease(tmp_path):
-    """lease.sh with the README's lease 8 command: one world-model SFT (on GPU 0), two arms on each GPU, every arm
-    with lease.sh's sharing overrides, STEPS through to the sweep, and the world model evaluated after PPO."""
+    """lease.sh with the README's lease 8 command: one world-model SFT (on GPU 0), the arms placed as named (three a
+    GPU: the Vanilla RL arms need no SFT), every arm with lease.sh's sharing overrides and its stop rule, STEPS
+    through to the sweeps, and the world model evaluated after PPO."""
     readme = (REPO / "docs" / "results" / "smollm2_study300" / "README.md").read_text()
     command = readme[readme.index("## Lease 8"):]
     arms, steps = re.search(r'ARMS="([^"]+)"', command).group(1), re.search(r"STEPS=(\d+)", command).group(1)
@@ -242,14 +246,18 @@ def test_the_300_step_studys_lease_script_runs_its_readmes_next_lease(tmp_path):
     work, study = run_lease_script(tmp_path, BENCH="0", ARMS=arms, STEPS=steps)
     overrides = re.search(r'(?<!_)OVERRIDES="([^"]+)"', (study / "lease.sh").read_text()).group(1)  # not SFT_'s
     assert not (work / "out" / "b42").exists()
-    log = work / "table2_wm" / "logs"
-    assert (log / "gpu_ids").read_text().split() == ["0", "0", "1", "1"]  # grpo_guard_s10, s11, s12, s13
-    assert not (work / "table2_nowm").exists() and not (work / "table2_base").exists()
-    assert (log / "steps").read_text().strip() == steps == "275"
-    assert (log / "wm_eval").read_text().strip() == "1"
-    settings = [line for line in (log / "settings").read_text().splitlines() if line]
-    assert [line.split()[0] for line in settings] == [f"grpo_guard_s{seed}" for seed in (10, 11, 12, 13)]
-    assert all(line.endswith(overrides) for line in settings)
+    assert not (work / "table2_nowm").exists()
+    placed = {"wm": (["0", "0", "1"], [f"grpo_guard_s{seed}" for seed in (10, 11, 12)]),
+              "base": (["0", "1", "1"], [f"vanilla_grpo_guard_s{seed}" for seed in (3, 4, 5)])}
+    for start, (gpus, names) in placed.items():
+        log = work / f"table2_{start}" / "logs"
+        assert (log / "gpu_ids").read_text().split() == gpus
+        assert (log / "steps").read_text().strip() == steps == "275"
+        assert (log / "wm_eval").read_text().strip() == ("1" if start == "wm" else "0")
+        settings = [line for line in (log / "settings").read_text().splitlines() if line]
+        assert [line.split()[0] for line in settings] == names
+        assert all(line.endswith(overrides) for line in settings)
+    assert "trainer.stop_after_uniform_scores=20" in overrides
     assert "config=_2_sokoban gpus=2" in (work / "out" / "progress.txt").read_text()
     cfg = compose("_2_sokoban", ["model=smollm2-135m", *SWEEP, *study300_arms()[-1][2], *overrides.split()])
     check_config(cfg)
