@@ -8,8 +8,10 @@ The metrics say how often a model succeeds and how long it writes; `trainer.log_
 the trajectories logged, their success, their assistant turns, the share of those turns that are well formed (the
 parser training scores them with, `SPA_agent.rollout.parsing.parse_response`, in the run's prompt mode), the mean
 characters a turn, and the --top most common think texts (a well-formed turn's think, whitespace collapsed, cut at
-60 characters; a malformed turn counts as "(malformed)") with how many turns wrote each. The 300-step study read
-in it that its world-model SFT's policy thinks the prompt's placeholder, `[Your thoughts]`, in base prompts.
+60 characters; a malformed turn counts as "(malformed: <where it leaves the format>)", e.g. "text between </think>
+and <answer>") with how many turns wrote each. The 300-step study read in it that its world-model SFT's policy thinks
+the prompt's placeholder, `[Your thoughts]`, in base prompts, and that two of its seeds never found the base format
+because they wrote a sentence between the think and the answer.
 
 The prompt mode and the parser's settings come from `config.yaml` beside the file (every PPO run writes one), or
 from --mode; an evaluation's trajectories.jsonl (the same records without a step) is one line, step "-". Reads the
@@ -24,7 +26,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from SPA_agent.rollout.parsing import MODES, parse_response
+from SPA_agent.rollout.parsing import MODES, THINK_END, WORLDMODEL_START, WORLDMODEL_THINK_END, parse_response
 from SPA_agent.runs.metrics_file import jsonl_in, read_records
 from SPA_agent.trainer.generations_log import GENERATIONS_FILE
 
@@ -58,9 +60,36 @@ def parser_settings(path: Path, mode: str | None) -> dict:
     return settings
 
 
-def think_text(parsed) -> str:
+def malformed_because(text: str, mode: str, enable_think: bool = True) -> str:
+    """Where a turn that `parse_response` finds malformed leaves its format: the first of the format's separators
+    (SPA_agent/rollout/parsing.py's, searched as it searches them) that the text lacks."""
+    if mode == "add_worldmodel":
+        start = WORLDMODEL_START.search(text)
+        if start is None:
+            return "no <observation> opening the think"
+        observation_end = text.find("</observation>", start.end())
+        if observation_end < 0:
+            return "no </observation>"
+        prediction = text.find("<prediction>", observation_end)
+        if prediction < 0:
+            return "no <prediction>"
+        return "no </answer>" if WORLDMODEL_THINK_END.search(text, prediction) else "no </prediction></think><answer>"
+    if not enable_think:
+        return "no </answer>" if "<answer>" in text else "no <answer>"
+    start = text.find("<think>")
+    if start < 0:
+        return "no <think>"
+    if THINK_END.search(text, start):
+        return "no </answer>"
+    think_end = text.find("</think>", start)
+    if think_end < 0:
+        return "no </think>"
+    return "text between </think> and <answer>" if "<answer>" in text[think_end:] else "no <answer> after </think>"
+
+
+def think_text(parsed, settings: dict) -> str:
     if not parsed.format_ok:
-        return "(malformed)"
+        return f"(malformed: {malformed_because(parsed.raw, settings['mode'], settings['enable_think'])})"
     think = " ".join(parsed.think.split())
     return think if len(think) <= THINK_CHARS else think[:THINK_CHARS] + "…"
 
@@ -74,7 +103,7 @@ def summary(records: list[dict], settings: dict, top: int) -> str:
     for step, group in by_step.items():
         responses = [m["content"] for r in group for m in r["messages"] if m["role"] == "assistant"]
         parsed = [parse_response(text, **settings) for text in responses]
-        thinks = Counter(think_text(p) for p in parsed).most_common(top)
+        thinks = Counter(think_text(p, settings) for p in parsed).most_common(top)
         shown = "; ".join(f"`{text}` {count}" for text, count in thinks)
         turns = max(len(responses), 1)
         lines.append(f"| {step} | {len(group)} | {sum(r['success'] for r in group) / len(group):.3f} | "
