@@ -54,9 +54,7 @@ from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from backend_curves import curve, wilson  # noqa: E402
-from study_curves import RunsParser, environment, metrics_file, named_runs, read_folders, rows_of  # noqa: E402
-
-from SPA_agent.runs.metrics_file import read_records  # noqa: E402
+from study_curves import RunsParser, environment, named_runs, read_folders, rows_of  # noqa: E402
 
 
 def common_step(arms: dict[str, list[dict]], key: str) -> int:
@@ -191,12 +189,11 @@ def compare(arms: dict[str, list[dict]], first: str, second: str, step: int,
     return "\n".join(lines)
 
 
-def stopped_by_uniform_scores(run: Path) -> bool:
-    """Whether `trainer.stop_after_uniform_scores` (the run's config.yaml) ended the run: its last step's uniform-score
-    streak reached it."""
+def stopped_by_uniform_scores(run: Path, records: list[dict]) -> bool:
+    """Whether `trainer.stop_after_uniform_scores` (the run's config.yaml) ended the run whose metrics are `records`:
+    its last step's uniform-score streak reached it."""
     config = run / "config.yaml"
     threshold = OmegaConf.load(config).trainer.get("stop_after_uniform_scores") if config.is_file() else None
-    records, _ = read_records(metrics_file(run))
     streaks = [record["rollout/uniform_score_streak"] for record in records if "rollout/uniform_score_streak" in record]
     return threshold is not None and bool(streaks) and streaks[-1] >= threshold
 
@@ -208,7 +205,7 @@ def carry_stopped(arms: dict[str, list[dict]], directories: list[Path], step: in
     for directory in directories:
         for name, run in named_runs(directory):
             values = curve(arms[name], success)
-            if values and max(values) < step and stopped_by_uniform_scores(run):
+            if values and max(values) < step and stopped_by_uniform_scores(run, arms[name]):
                 last = max(values)
                 carried[name] = [*arms[name], {"step": step, success: values[last]}]
                 notes.append(f"{name} ({values[last]:.3f} at step {last})")

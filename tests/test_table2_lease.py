@@ -150,11 +150,15 @@ def test_the_studys_seventh_lease_adds_seeds_7_to_9_of_both_grpo_guard_rows():
 def test_the_studys_eighth_lease_adds_world_model_seeds_10_to_12_and_vanilla_rl_seeds_3_to_5():
     """Vanilla RL: lease 4's arms' recipe (the untouched model on the plain grid, grpo_guard) with new seeds."""
     guard = {name: overrides for name, _, overrides in study300_arms()[:4]}["grpo_guard"]
-    vanilla = {name: (start, overrides) for name, start, overrides in study300_arms()}["vanilla_grpo_guard"]
+    _, vanilla = {name: (start, overrides) for name, start, overrides in study300_arms()}["vanilla_grpo_guard"]
+    vanilla = vanilla[:-2]  # without its seed's two overrides
     lease8 = {name: (start, overrides) for name, start, overrides in study300_arms()[32:]}
-    seeded = lambda overrides, seed: [*overrides, f"trainer.seed={seed}", f"generator.seed={seed}"]  # noqa: E731
+
+    def seeded(overrides: list[str], seed: int) -> list[str]:
+        return [*overrides, f"trainer.seed={seed}", f"generator.seed={seed}"]
+
     assert lease8 == {**{f"grpo_guard_s{seed}": ("wm", seeded(guard, seed)) for seed in (10, 11, 12)},
-                      **{f"vanilla_grpo_guard_s{seed}": ("base", seeded(vanilla[1][:-2], seed)) for seed in (3, 4, 5)}}
+                      **{f"vanilla_grpo_guard_s{seed}": ("base", seeded(vanilla, seed)) for seed in (3, 4, 5)}}
 
 
 @pytest.mark.parametrize("name, start, overrides", study300_arms(), ids=[a[0] for a in study300_arms()])
