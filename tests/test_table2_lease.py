@@ -152,13 +152,20 @@ def test_the_studys_eighth_lease_adds_world_model_seeds_10_to_12_and_vanilla_rl_
     guard = {name: overrides for name, _, overrides in study300_arms()[:4]}["grpo_guard"]
     _, vanilla = {name: (start, overrides) for name, start, overrides in study300_arms()}["vanilla_grpo_guard"]
     vanilla = vanilla[:-2]  # without its seed's two overrides
-    lease8 = {name: (start, overrides) for name, start, overrides in study300_arms()[32:]}
+    lease8 = {name: (start, overrides) for name, start, overrides in study300_arms()[32:38]}
 
     def seeded(overrides: list[str], seed: int) -> list[str]:
         return [*overrides, f"trainer.seed={seed}", f"generator.seed={seed}"]
 
     assert lease8 == {**{f"grpo_guard_s{seed}": ("wm", seeded(guard, seed)) for seed in (10, 11, 12)},
                       **{f"vanilla_grpo_guard_s{seed}": ("base", seeded(vanilla, seed)) for seed in (3, 4, 5)}}
+
+
+def test_the_studys_ninth_lease_runs_spa_under_grpo_guard_in_its_own_prompts_with_seeds_1_and_2():
+    _, own_prompts = {name: (start, overrides) for name, start, overrides in study300_arms()}["spa_grpo_guard"]
+    lease9 = {name: (start, overrides) for name, start, overrides in study300_arms()[38:]}
+    assert lease9 == {f"spa_grpo_guard_s{seed}": ("wm", [*own_prompts[:-2], f"trainer.seed={seed}",
+                                                          f"generator.seed={seed}"]) for seed in (1, 2)}
 
 
 @pytest.mark.parametrize("name, start, overrides", study300_arms(), ids=[a[0] for a in study300_arms()])
@@ -239,6 +246,12 @@ def run_lease_script(tmp_path: Path, **env: str) -> tuple[Path, Path]:
     return work, study
 
 
+def lease_overrides(study: Path, share: str) -> str:
+    """The OVERRIDES lease.sh gives job.sh (not SFT_OVERRIDES), with SHARE=`share`."""
+    overrides = re.search(r'(?<!_)OVERRIDES="([^"]+)"', (study / "lease.sh").read_text()).group(1)
+    return overrides.replace("${SHARE:-0.3}", share)
+
+
 def test_the_300_step_studys_lease_script_runs_its_readmes_next_lease(tmp_path):
     """lease.sh with the README's lease 8 command: one world-model SFT (on GPU 0), the arms placed as named (three a
     GPU: the Vanilla RL arms need no SFT), every arm with lease.sh's sharing overrides and its stop rule, STEPS
@@ -248,7 +261,7 @@ def test_the_300_step_studys_lease_script_runs_its_readmes_next_lease(tmp_path):
     arms, steps = re.search(r'ARMS="([^"]+)"', command).group(1), re.search(r"STEPS=(\d+)", command).group(1)
     assert re.search(r"BENCH=(\d)", command).group(1) == "0"
     work, study = run_lease_script(tmp_path, BENCH="0", ARMS=arms, STEPS=steps)
-    overrides = re.search(r'(?<!_)OVERRIDES="([^"]+)"', (study / "lease.sh").read_text()).group(1)  # not SFT_'s
+    overrides = lease_overrides(study, share="0.3")
     assert not (work / "out" / "b42").exists()
     assert not (work / "table2_nowm").exists()
     placed = {"wm": (["0", "0", "1"], [f"grpo_guard_s{seed}" for seed in (10, 11, 12)]),
@@ -263,9 +276,29 @@ def test_the_300_step_studys_lease_script_runs_its_readmes_next_lease(tmp_path):
         assert all(line.endswith(overrides) for line in settings)
     assert "trainer.stop_after_uniform_scores=20" in overrides
     assert "config=_2_sokoban gpus=2" in (work / "out" / "progress.txt").read_text()
-    cfg = compose("_2_sokoban", ["model=smollm2-135m", *SWEEP, *study300_arms()[-1][2], *overrides.split()])
+    vanilla = {name: overrides for name, _, overrides in study300_arms()}["vanilla_grpo_guard_s5"]
+    cfg = compose("_2_sokoban", ["model=smollm2-135m", *SWEEP, *vanilla, *overrides.split()])
     check_config(cfg)
     assert cfg.trainer.log_val_generations == 8 and cfg.trainer.cuda_memory_fraction * 3 < 1
+
+
+def test_the_lease_script_runs_its_readmes_ninth_lease_one_arm_a_gpu_with_the_larger_share(tmp_path):
+    """Lease 9: SPA in its own prompts, one arm alone on each GPU after the world-model SFT, each arm's memory share
+    SHARE (lease.sh's OVERRIDES with it compose and pass the PPO checks)."""
+    readme = (REPO / "docs" / "results" / "smollm2_study300" / "README.md").read_text()
+    command = readme[readme.index("## Lease 9"):]
+    arms, share = re.search(r'ARMS="([^"]+)"', command).group(1), re.search(r"SHARE=([0-9.]+)", command).group(1)
+    work, study = run_lease_script(tmp_path, BENCH="0", ARMS=arms, STEPS="275", SHARE=share)
+    overrides = lease_overrides(study, share)
+    log = work / "table2_wm" / "logs"
+    assert (log / "gpu_ids").read_text().split() == ["0", "1"]
+    assert not (work / "table2_nowm").exists() and not (work / "table2_base").exists()
+    settings = [line for line in (log / "settings").read_text().splitlines() if line]
+    assert [line.split()[0] for line in settings] == ["spa_grpo_guard_s1", "spa_grpo_guard_s2"]
+    assert all(line.endswith(overrides) for line in settings)
+    cfg = compose("_2_sokoban", ["model=smollm2-135m", *SWEEP, *study300_arms()[-1][2], *overrides.split()])
+    check_config(cfg)
+    assert cfg.ctx_manager.mode == "add_worldmodel" and cfg.trainer.cuda_memory_fraction == float(share) > 0.5
 
 
 def test_the_lease_script_times_issue_42s_benchmarks_side_by_side_before_the_arms(tmp_path):

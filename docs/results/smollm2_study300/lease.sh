@@ -15,6 +15,8 @@
 #   on: lease 5's world-model arms wrote twice as long, and only the metrics were there to say so). STEPS (job.sh's,
 #   300) and the rest of job.sh's settings pass through the environment (WORK, /tmp: the benchmarks' out/ is
 #   job.sh's). Its progress goes to /tmp/out/progress.txt as in every lease, with one line for each benchmark.
+#   SHARE (0.3) is each arm's share of its GPU's memory (trainer.cuda_memory_fraction): 0.3 lets three arms share a
+#   GPU; an arm alone on its GPU that needs more (SPA in its own prompts ran out of 0.3 in lease 4) takes more.
 set -uo pipefail
 : "${ARMS:?ARMS names the arms of arms.txt this lease runs}"
 export PYTHONPATH="/tmp/site:${PWD}" SPA_SMOLLM2_GGUF=/tmp/smol.gguf PATH="/tmp/site/bin:$PATH" \
@@ -60,5 +62,5 @@ if [ "${BENCH:-1}" = 1 ]; then
     fi
 fi
 WM_EVAL=1 GATE=off ARMS_FILE=docs/results/smollm2_study300/arms.txt \
-    OVERRIDES="trainer.log_val_generations=8 trainer.stop_after_uniform_scores=20 trainer.cuda_memory_fraction=0.3 generator.batch_size=256 generator.max_batch_tokens=null actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384 critic.ppo_max_token_len_per_gpu=16384" \
+    OVERRIDES="trainer.log_val_generations=8 trainer.stop_after_uniform_scores=20 trainer.cuda_memory_fraction=${SHARE:-0.3} generator.batch_size=256 generator.max_batch_tokens=null actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384 critic.ppo_max_token_len_per_gpu=16384" \
     ARMS="$ARMS" REPO="$PWD" bash docs/results/smollm2_table2/job.sh
