@@ -206,32 +206,38 @@ def test_wm_eval_evaluations_beside_the_runs_make_a_world_model_table(tmp_path):
 
 def test_the_studys_runs_file_reproduces_its_step_275_comparison():
     """docs/smollm2.md's Table 2: the runs docs/results/smollm2_study300/grpo_guard_runs.txt lists (read as @FILE,
-    its comments skipped), compared at step 275, give the numbers the docs report, without and with the two
-    world-model runs of lease 7 that the stop rule ended (--count-stopped)."""
+    its comments skipped), compared at step 275, give the numbers the docs report, without and with the runs that
+    the stop rule ended (--count-stopped: lease 7's two world-model runs and lease 8's three Vanilla RL ones)."""
     repo = SCRIPT.parents[1]
     command = [sys.executable, str(SCRIPT), "@docs/results/smollm2_study300/grpo_guard_runs.txt", "--step", "275",
                "--compare", "grpo_guard", "format_grpo_guard"]
     done = subprocess.run(command, capture_output=True, text=True, cwd=repo)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert lines[2].startswith("| grpo_guard | 4 | 0.006 [0.003, 0.010] | 0.389 [0.369, 0.411] | +0.384 |")
+    assert lines[2].startswith("| grpo_guard | 5 | 0.006 [0.004, 0.010] | 0.369 [0.350, 0.388] | +0.363 | "
+                               "0.456, 0.384, 0.369, 0.349, 0.287 |")
     assert lines[3].startswith("| format_grpo_guard | 6 | 0.194 [0.181, 0.209] | 0.339 [0.322, 0.356] | +0.144 |")
     assert lines[5] == ("not validated at step 275: grpo_guard_s4, grpo_guard_s5, grpo_guard_s6, grpo_guard_s4b, "
-                        "grpo_guard_s5b, grpo_guard_s7, grpo_guard_s8, grpo_guard_s9, format_grpo_guard_s4, "
-                        "format_grpo_guard_s5, format_grpo_guard_s5b")
+                        "grpo_guard_s5b, grpo_guard_s7, grpo_guard_s8, grpo_guard_s9, grpo_guard_s11, grpo_guard_s12, "
+                        "format_grpo_guard_s4, format_grpo_guard_s5, format_grpo_guard_s5b, vanilla_grpo_guard_s3, "
+                        "vanilla_grpo_guard_s4, vanilla_grpo_guard_s5")
     seeds, checkpoints = (line for line in lines if line.startswith("grpo_guard − format_grpo_guard at step 275"))
-    assert seeds.startswith("grpo_guard − format_grpo_guard at step 275, over seeds (4 and 6): +0.051, Welch 95% "
-                            "interval [-0.019, +0.120] (df 5.2); exact permutation test of the seeds: one-sided "
-                            "p = 0.048")
-    assert checkpoints.startswith("grpo_guard − format_grpo_guard at step 275, over SFT checkpoints (3 and 5): +0.054")
-    assert lines[-1].startswith("| grpo_guard_s3 | 0.287 |")  # its world model after PPO, in the SFT's prompts
+    assert seeds.startswith("grpo_guard − format_grpo_guard at step 275, over seeds (5 and 6): +0.030, Welch 95% "
+                            "interval [-0.045, +0.105] (df 6.1); exact permutation test of the seeds: one-sided "
+                            "p = 0.165")
+    assert checkpoints.startswith("grpo_guard − format_grpo_guard at step 275, over SFT checkpoints (4 and 5): +0.027")
+    # their world model after PPO, in the SFT's prompts
+    assert lines[-2].startswith("| grpo_guard_s3 | 0.287 |") and lines[-1].startswith("| grpo_guard_s10 | 0.172 |")
 
     counted = subprocess.run([*command, "--count-stopped"], capture_output=True, text=True, cwd=repo)
     assert counted.returncode == 0, counted.stderr
     lines = counted.stdout.splitlines()
     assert lines[0] == ("counted at step 275 with the validation of their stop (--count-stopped): "
-                        "grpo_guard_s8 (0.000 at step 58), grpo_guard_s9 (0.000 at step 24)")
-    assert lines[4].startswith("| grpo_guard | 6 | 0.005 [0.003, 0.008] | 0.260 [0.244, 0.275] | +0.255 | "
-                               "0.456, 0.384, 0.369, 0.349, 0.000, 0.000 |")
-    assert any(line.startswith("grpo_guard − format_grpo_guard at step 275, over seeds (6 and 6): -0.079, Welch 95% "
-                               "interval [-0.293, +0.135]") for line in lines)
+                        "grpo_guard_s8 (0.000 at step 58), grpo_guard_s9 (0.000 at step 24), "
+                        "vanilla_grpo_guard_s3 (0.000 at step 20), vanilla_grpo_guard_s4 (0.000 at step 20), "
+                        "vanilla_grpo_guard_s5 (0.000 at step 20)")
+    assert lines[4].startswith("| grpo_guard | 7 | 0.005 [0.003, 0.008] | 0.264 [0.249, 0.278] | +0.258 | "
+                               "0.456, 0.384, 0.369, 0.349, 0.000, 0.000, 0.287 |")
+    assert lines[6].startswith("| vanilla_grpo_guard | 3 | 0.000 [0.000, 0.002] | 0.000 [0.000, 0.002] | +0.000 |")
+    assert any(line.startswith("grpo_guard − format_grpo_guard at step 275, over seeds (7 and 6): -0.075, Welch 95% "
+                               "interval [-0.248, +0.098]") for line in lines)
