@@ -252,8 +252,8 @@ def lease_overrides(study: Path, share: str) -> str:
     return overrides.replace("${SHARE:-0.3}", share)
 
 
-def test_the_300_step_studys_lease_script_runs_its_readmes_next_lease(tmp_path):
-    """lease.sh with the README's lease 8 command: one world-model SFT (on GPU 0), the arms placed as named (three a
+def test_the_300_step_studys_lease_script_runs_its_readmes_eighth_lease(tmp_path):
+    """lease.sh with the README's lease 8 command (as it ran): one world-model SFT (on GPU 0), the arms placed as named (three a
     GPU: the Vanilla RL arms need no SFT), every arm with lease.sh's sharing overrides and its stop rule, STEPS
     through to the sweeps, and the world model evaluated after PPO."""
     readme = (REPO / "docs" / "results" / "smollm2_study300" / "README.md").read_text()
