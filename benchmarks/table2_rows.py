@@ -24,7 +24,9 @@ leave out) and the exact permutation test of the seeds' labels (one-sided: ROW_A
 three above all three has p = 1/20). Seeds of one sweep (`<sweep>/ppo/<config>/<arm>`) start from one SFT checkpoint,
 and the 300-step study saw one checkpoint change how all its seeds trained; where a row has several seeds of one
 checkpoint, a second line makes the same comparison over checkpoints, each checkpoint's seeds averaged into one
-observation (less independence assumed, less power).
+observation (less independence assumed, less power). A last line says what the seeds can resolve: with the two rows'
+seed spreads, the difference a two-sided 5% test finds 80% of the time at the rows' seed counts, and the seeds a row
+that would find the observed difference as often (normal approximation; a planning figure, not a test).
 
 Arms whose sweep ran with WM_EVAL=1 (benchmarks/smollm2_sweep.sh: `<sweep>/wm_eval/<arm>/eval.json`, beside
 `<sweep>/ppo/`) get one more table: their last checkpoint in the SFT's own prompts, success and the world model's
@@ -164,6 +166,22 @@ def comparison_line(first: str, second: str, a: list[float], b: list[float], ste
             f"exact permutation test of the {unit}s: one-sided p = {one_sided:.3f}, two-sided p = {two_sided:.3f}")
 
 
+def power_line(a: list[float], b: list[float]) -> str:
+    """What seeds with these spreads resolve: the difference that a two-sided 5% test finds with 80% power at
+    len(a) and len(b) seeds, and the seeds a row (equal counts) for that power at the observed difference, both in
+    the normal approximation (Welch's t needs a little more)."""
+    z = statistics.NormalDist().inv_cdf(0.975) + statistics.NormalDist().inv_cdf(0.80)
+    va, vb = statistics.variance(a), statistics.variance(b)
+    detectable = z * math.sqrt(va / len(a) + vb / len(b))
+    difference = abs(statistics.fmean(a) - statistics.fmean(b))
+    if difference == 0:
+        needed = "no number of"  # equal means: no seed count finds a difference
+    else:
+        needed = str(max(2, math.ceil(z**2 * (va + vb) / difference**2)))  # a variance needs two seeds
+    return (f"power over seeds (80%, two-sided 5%, normal approximation): at {len(a)} and {len(b)} seeds a difference "
+            f"of {detectable:.3f} is found; the observed {difference:.3f} needs {needed} seeds a row")
+
+
 def compare(arms: dict[str, list[dict]], first: str, second: str, step: int,
             checkpoints: dict[str, str] | None = None) -> str:
     """The seed-level comparison of two rows at `step`, and over SFT checkpoints where `checkpoints` (arm -> its
@@ -186,6 +204,7 @@ def compare(arms: dict[str, list[dict]], first: str, second: str, step: int,
         few = [row for row in cells if len(cells[row]) < 2]
         lines.append(f"over SFT checkpoints: row {few[0]}'s seeds all start from one checkpoint, no comparison" if few
                      else comparison_line(first, second, cells[first], cells[second], step, "SFT checkpoint"))
+    lines.append(power_line(values[first], values[second]))
     return "\n".join(lines)
 
 

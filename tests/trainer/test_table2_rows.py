@@ -89,14 +89,28 @@ def test_compare_gives_the_seeds_welch_interval_and_exact_permutation_test(tmp_p
     # difference 0.4 - 0.33667 = 0.06333; variances 0.0019 and 0.000533 over 3 seeds each: SE 0.02848, Welch's df
     # 0.0008111^2 / (0.0006333^2 / 2 + 0.0001778^2 / 2) = 3.04, t_{0.975, 3.04} = 3.158: half-width 0.0900;
     # all three spa seeds above all three format ones: one split of 20 as extreme (one-sided), two (two-sided)
-    assert done.stdout.splitlines()[-1] == (
+    assert done.stdout.splitlines()[-2] == (
         "spa − format at step 25, over seeds (3 and 3): +0.063, Welch 95% interval [-0.027, +0.153] (df 3.0); "
         "exact permutation test of the seeds: one-sided p = 0.050, two-sided p = 0.100")
+    # z_{0.975} + z_{0.80} = 2.8016: detectable 2.8016 * 0.02848 = 0.0798; seeds a row for the observed 0.0633,
+    # 2.8016^2 * (0.0019 + 0.000533) / 0.0633^2 = 4.76, so 5
+    assert done.stdout.splitlines()[-1] == (
+        "power over seeds (80%, two-sided 5%, normal approximation): at 3 and 3 seeds a difference of 0.080 is found; "
+        "the observed 0.063 needs 5 seeds a row")
     one_seed = run(tmp_path / "spa_s0", tmp_path / "format_s0", tmp_path / "format_s1", "--compare", "spa", "format")
     assert one_seed.returncode == 2
     assert one_seed.stderr.strip() == "error: row spa has 1 seed(s) validated at step 25: at least 2 needed"
     unknown = run(tmp_path, "--compare", "spa", "vanilla")
     assert unknown.returncode == 2 and unknown.stderr.strip() == "error: no row named vanilla (rows: format, spa)"
+
+
+def test_the_power_line_needs_two_seeds_without_spread_and_none_finds_equal_means():
+    sys.path.insert(0, str(SCRIPT.parent))
+    import table2_rows
+
+    assert table2_rows.power_line([0.3, 0.3], [0.2, 0.2]).endswith(
+        "at 2 and 2 seeds a difference of 0.000 is found; the observed 0.100 needs 2 seeds a row")
+    assert table2_rows.power_line([0.3, 0.4], [0.4, 0.3]).endswith("the observed 0.000 needs no number of seeds a row")
 
 
 def test_compare_also_goes_over_sft_checkpoints_where_a_sweep_holds_several_seeds_of_a_row(tmp_path):
@@ -114,7 +128,7 @@ def test_compare_also_goes_over_sft_checkpoints_where_a_sweep_holds_several_seed
         folders.append(runs)
     done = run(*folders, "--compare", "spa", "format")
     assert done.returncode == 0, done.stderr
-    seed_line, checkpoint_line = done.stdout.splitlines()[-2:]
+    seed_line, checkpoint_line = done.stdout.splitlines()[-3:-1]
     assert seed_line.startswith("spa − format at step 25, over seeds (4 and 4): +0.085,")
     assert checkpoint_line.startswith("spa − format at step 25, over SFT checkpoints (3 and 3): +0.083, Welch 95% "
                                       "interval [+0.019, +0.148] (df 3.9)")  # t_{0.975, 3.86} = 2.817
@@ -124,7 +138,7 @@ def test_compare_also_goes_over_sft_checkpoints_where_a_sweep_holds_several_seed
     assert one_sweep.returncode == 2 and "row format has 1 seed(s)" in one_sweep.stderr
     spa_in_one = run(folders[0], folders[2] / "format_s3", "--compare", "spa", "format")
     assert spa_in_one.returncode == 0, spa_in_one.stderr
-    assert spa_in_one.stdout.splitlines()[-1] == ("over SFT checkpoints: row spa's seeds all start from one "
+    assert spa_in_one.stdout.splitlines()[-2] == ("over SFT checkpoints: row spa's seeds all start from one "
                                                   "checkpoint, no comparison")
     separate = run(*(folders[i] / name for i, arms in enumerate(seeds.values()) for name in arms if "_s0" in name
                      or name in ("spa_s2", "format_s3")), "--compare", "spa", "format")
@@ -147,7 +161,7 @@ def test_a_seed_run_again_from_another_checkpoint_is_named_into_its_row(tmp_path
     assert done.returncode == 0, done.stderr
     # 0.380 over 3 x 512 episodes: Wilson [0.356, 0.405]
     assert "| spa | 3 | 0.000 [0.000, 0.002] | 0.380 [0.356, 0.405] | +0.380 | 0.400, 0.440, 0.300 |" in done.stdout
-    seed_line, checkpoint_line = done.stdout.splitlines()[-2:]
+    seed_line, checkpoint_line = done.stdout.splitlines()[-3:-1]
     assert seed_line.startswith("spa − format at step 25, over seeds (3 and 3): +0.070,")
     # checkpoints: lease 1's two seeds averaged (0.42) and lease 2's one (0.30), against 0.30, 0.31, 0.32
     assert checkpoint_line.startswith("spa − format at step 25, over SFT checkpoints (2 and 3): +0.050,")
@@ -226,6 +240,8 @@ def test_the_studys_runs_file_reproduces_its_step_275_comparison():
                             "interval [-0.045, +0.105] (df 6.1); exact permutation test of the seeds: one-sided "
                             "p = 0.165")
     assert checkpoints.startswith("grpo_guard − format_grpo_guard at step 275, over SFT checkpoints (4 and 5): +0.027")
+    assert ("power over seeds (80%, two-sided 5%, normal approximation): at 5 and 6 seeds a difference of 0.086 is "
+            "found; the observed 0.030 needs 43 seeds a row") in lines
     # their world model after PPO, in the SFT's prompts
     assert lines[-2].startswith("| grpo_guard_s3 | 0.287 |") and lines[-1].startswith("| grpo_guard_s10 | 0.172 |")
 
