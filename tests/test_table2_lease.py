@@ -237,6 +237,7 @@ def run_lease_script(tmp_path: Path, **env: str) -> tuple[Path, Path]:
     (repo / "docs" / "results" / "smollm2_study300").mkdir()
     for name in ("lease.sh", "arms.txt"):
         shutil.copy(study / name, repo / "docs" / "results" / "smollm2_study300" / name)
+    shutil.copytree(REPO / "config", repo / "config")  # job.sh refuses a CONFIG without config/<CONFIG>.yaml
     for name, text in BENCH_STUBS.items():
         (repo / "benchmarks" / name).write_text(text)
     env = {**ENV, "MODEL": "tiny", "WORK": str(work), "PATH": with_gpus(tmp_path, 2), **env}
@@ -253,9 +254,9 @@ def lease_overrides(study: Path, share: str) -> str:
 
 
 def test_the_300_step_studys_lease_script_runs_its_readmes_eighth_lease(tmp_path):
-    """lease.sh with the README's lease 8 command (as it ran): one world-model SFT (on GPU 0), the arms placed as named (three a
-    GPU: the Vanilla RL arms need no SFT), every arm with lease.sh's sharing overrides and its stop rule, STEPS
-    through to the sweeps, and the world model evaluated after PPO."""
+    """lease.sh with the README's lease 8 command (as it ran): one world-model SFT (on GPU 0), the arms placed as
+    named (three a GPU: the Vanilla RL arms need no SFT), every arm with lease.sh's sharing overrides and its stop
+    rule, STEPS through to the sweeps, and the world model evaluated after PPO."""
     readme = (REPO / "docs" / "results" / "smollm2_study300" / "README.md").read_text()
     command = readme[readme.index("## Lease 8"):]
     arms, steps = re.search(r'ARMS="([^"]+)"', command).group(1), re.search(r"STEPS=(\d+)", command).group(1)
@@ -299,6 +300,35 @@ def test_the_lease_script_runs_its_readmes_ninth_lease_one_arm_a_gpu_with_the_la
     cfg = compose("_2_sokoban", ["model=smollm2-135m", *SWEEP, *study300_arms()[-1][2], *overrides.split()])
     check_config(cfg)
     assert cfg.ctx_manager.mode == "add_worldmodel" and cfg.trainer.cuda_memory_fraction == float(share) > 0.5
+
+
+def test_the_lease_script_runs_its_readmes_tenth_lease_on_frozen_lake_with_one_sft_a_gpu(tmp_path):
+    """Lease 10: CONFIG=_3_frozen_lake through lease.sh to job.sh and the sweeps; the world-model SFT and its two
+    arms on GPU 0, the format-only SFT and its two on GPU 1; the arms, with lease.sh's overrides and the length the
+    sweep gives SmolLM2 on FrozenLake, compose there and pass the PPO checks."""
+    readme = (REPO / "docs" / "results" / "smollm2_study300" / "README.md").read_text()
+    command = readme[readme.index("## Lease 10"):]
+    arms, config = re.search(r'ARMS="([^"]+)"', command).group(1), re.search(r"CONFIG=(\w+)", command).group(1)
+    assert config == "_3_frozen_lake" and re.search(r"BENCH=(\d)", command).group(1) == "0"
+    work, study = run_lease_script(tmp_path, BENCH="0", ARMS=arms, STEPS="275", CONFIG=config)
+    assert "config=_3_frozen_lake gpus=2" in (work / "out" / "progress.txt").read_text()
+    overrides = lease_overrides(study, share="0.3")
+    placed = {"wm": (["0", "0"], ["grpo_guard", "grpo_guard_s1"]),
+              "nowm": (["1", "1"], ["format_grpo_guard", "format_grpo_guard_s1"])}
+    recipes = {name: overrides for name, _, overrides in study300_arms()}
+    length = re.search(r"_3_frozen_lake:smollm2-135m \] && PPO\+=\((actor_rollout_ref\.rollout\.response_length=\d+)\)",
+                       (REPO / "benchmarks" / "smollm2_sweep.sh").read_text())[1]  # the sweep's FrozenLake length
+    for start, (gpus, names) in placed.items():
+        log = work / f"table2_{start}" / "logs"
+        assert (log / "gpu_ids").read_text().split() == gpus
+        settings = [line for line in (log / "settings").read_text().splitlines() if line]
+        assert [line.split()[0] for line in settings] == names
+        assert all(line.endswith(overrides) for line in settings)
+        for name in names:
+            cfg = compose(config, ["model=smollm2-135m", *SWEEP, *recipes[name], *overrides.split(), length])
+            check_config(cfg)
+            assert cfg.es_manager.format_penalty == -0.25 and cfg.ctx_manager.mode == "base"
+    assert not (work / "table2_base").exists()
 
 
 def test_the_lease_script_times_issue_42s_benchmarks_side_by_side_before_the_arms(tmp_path):
