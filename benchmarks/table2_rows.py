@@ -40,7 +40,11 @@ uniform scores, never did); the output names the runs it carried.
 
 --onset LEVEL adds each arm's onset: the first validation step from which its success stays at or above LEVEL up to
 its last validation (e.g. the SFT-only model's success + 0.05). Seeds of one setting rose ~75 steps apart in the
-300-step study, so a row compared at one step can measure when its seeds rose more than where they go.
+300-step study, so a row compared at one step can measure when its seeds rose more than where they go. With
+--compare, the two rows' onsets are compared as times to an event: a run without an onset is censored at its last
+validation (a lease cut it short: it might have risen later), so every run counts, not only those that reached
+--step; with --count-stopped a run the stop rule ended never rises (it stays at risk to the end). The line gives
+each row's Kaplan–Meier median onset and the log-rank test (normal approximation; z > 0: ROW_A rises earlier).
 """
 
 from __future__ import annotations
@@ -272,6 +276,65 @@ def onsets(arms: dict[str, list[dict]], level: float) -> str:
     return "\n".join(lines)
 
 
+def kaplan_meier_median(times: list[tuple[float, bool]]) -> float | None:
+    """The first event time at which the Kaplan–Meier estimate of (time, event) pairs falls to 0.5 or below; None
+    if it never does."""
+    surviving = 1.0
+    for time in sorted({t for t, event in times if event}):
+        at_risk = sum(1 for t, _ in times if t >= time)
+        surviving *= 1 - sum(1 for t, event in times if t == time and event) / at_risk
+        if surviving <= 0.5:
+            return time
+    return None
+
+
+def log_rank(a: list[tuple[float, bool]], b: list[tuple[float, bool]]) -> tuple[float, float]:
+    """(z, two-sided p) of the log-rank test of two samples of (time, event) pairs, in the normal approximation;
+    z > 0 when `a` has more events early than `b` (observed minus expected over the square root of the
+    hypergeometric variance, summed over the event times)."""
+    observed = expected = variance = 0.0
+    for time in sorted({t for t, event in a + b if event}):
+        at_risk_a, at_risk = sum(1 for t, _ in a if t >= time), sum(1 for t, _ in a + b if t >= time)
+        events_a = sum(1 for t, event in a if t == time and event)
+        events = events_a + sum(1 for t, event in b if t == time and event)
+        observed += events_a
+        expected += events * at_risk_a / at_risk
+        if at_risk > 1:
+            share = at_risk_a / at_risk
+            variance += events * share * (1 - share) * (at_risk - events) / (at_risk - 1)
+    if variance == 0:
+        return 0.0, 1.0
+    z = (observed - expected) / math.sqrt(variance)
+    return z, 2 * (1 - statistics.NormalDist().cdf(abs(z)))
+
+
+def onset_comparison(arms: dict[str, list[dict]], first: str, second: str, level: float,
+                     never: set[str] | None = None) -> str:
+    """The two rows' onsets (success >= `level` to the last validation) as times to an event: a run without one
+    censored at its last validation, a run in `never` (the stop rule ended it) at risk to the end."""
+    success, rows, times = f"val-env/{environment(arms)}/success", rows_of(arms), {}
+    for row in (first, second):
+        if row not in rows:
+            raise ValueError(f"no row named {row} (rows: {', '.join(rows)})")
+        times[row] = []
+        for name in rows[row]:
+            values = curve(arms[name], success)
+            first_step = onset(values, level)
+            times[row].append((math.inf, False) if name in (never or set()) else
+                              (first_step, True) if first_step is not None else (max(values), False))
+    z, p = log_rank(times[first], times[second])
+
+    def median(row: str) -> str:
+        value = kaplan_meier_median(times[row])
+        events = sum(event for _, event in times[row])
+        return f"{'not reached' if value is None else value} ({events} of {len(times[row])} runs with an onset)"
+
+    return (f"onset (success ≥ {level:.3f} to the last validation), runs without one censored at their last "
+            f"validation{', the runs the stop rule ended never rising' if never else ''}: Kaplan–Meier median {first} "
+            f"{median(first)}, {second} {median(second)}; log-rank z = {z:+.2f} ({first} earlier if > 0), "
+            f"two-sided p = {p:.3f} (normal approximation)")
+
+
 def main() -> None:
     parser = RunsParser(description=__doc__)
     parser.add_argument("directories", type=Path, nargs="+",
@@ -305,6 +368,9 @@ def main() -> None:
         print(f"\n{world_model_table(evaluations, environment(arms))}")
     if args.onset is not None:
         print(f"\n{onsets(observed, args.onset)}")
+        if args.compare:
+            never = {name for name in arms if arms[name] is not observed[name]}  # carried by --count-stopped
+            print(f"\n{onset_comparison(observed, *args.compare, args.onset, never)}")
 
 
 if __name__ == "__main__":

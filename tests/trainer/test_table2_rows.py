@@ -167,6 +167,48 @@ def test_a_seed_run_again_from_another_checkpoint_is_named_into_its_row(tmp_path
     assert checkpoint_line.startswith("spa − format at step 25, over SFT checkpoints (2 and 3): +0.050,")
 
 
+def test_onsets_compare_as_times_to_an_event_with_the_runs_without_one_censored(tmp_path):
+    """At level 0.2: spa rises at steps 25 and 50, format at 50, and format_s1 has no onset by its last validation
+    (75: censored there). Log-rank by hand: at step 25, 1 event in 4 at risk (2 spa): expected 0.5, variance
+    0.25; at step 50, 2 events in 3 at risk (1 spa): expected 0.667, variance 2 * 1/3 * 2/3 * 1/2 = 0.222. Observed
+    2, z = 0.833 / 0.687 = 1.213, two-sided p = 0.225. Kaplan–Meier: spa at 0.5 after step 25, format after 50."""
+    write_arm(tmp_path, "spa_s0", {0: 0.1, 25: 0.3, 50: 0.3})
+    write_arm(tmp_path, "spa_s1", {0: 0.1, 25: 0.1, 50: 0.3})
+    write_arm(tmp_path, "format_s0", {0: 0.1, 25: 0.1, 50: 0.3})
+    write_arm(tmp_path, "format_s1", {0: 0.1, 25: 0.1, 50: 0.1, 75: 0.1})
+    done = run(tmp_path, "--step", "50", "--onset", "0.2", "--compare", "spa", "format")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == (
+        "onset (success ≥ 0.200 to the last validation), runs without one censored at their last validation: "
+        "Kaplan–Meier median spa 25 (2 of 2 runs with an onset), format 50 (1 of 2 runs with an onset); "
+        "log-rank z = +1.21 (spa earlier if > 0), two-sided p = 0.225 (normal approximation)")
+
+
+def test_a_run_the_stop_rule_ended_is_censored_at_its_stop_or_never_rises_with_count_stopped(tmp_path):
+    """format_s2 collapsed at step 10. Without --count-stopped it is censored there, before any onset, and the test
+    is the one above; with it, it stays at risk: at step 25, 1 event in 5 (expected 0.4, variance 0.24), at 50, 2 in
+    4 with 1 spa (expected 0.5, variance 2 * 1/4 * 3/4 * 2/3 = 0.25): z = 1.1 / 0.7 = 1.571, p = 0.116, and
+    format's Kaplan–Meier estimate stays at 2/3."""
+    write_arm(tmp_path, "spa_s0", {0: 0.1, 25: 0.3, 50: 0.3})
+    write_arm(tmp_path, "spa_s1", {0: 0.1, 25: 0.1, 50: 0.3})
+    write_arm(tmp_path, "format_s0", {0: 0.1, 25: 0.1, 50: 0.3})
+    write_arm(tmp_path, "format_s1", {0: 0.1, 25: 0.1, 50: 0.1, 75: 0.1})
+    write_stopped_arm(tmp_path, "format_s2", stop_step=10, threshold=3)
+    command = [tmp_path, "--step", "50", "--onset", "0.2", "--compare", "spa", "format"]
+    plain = run(*command)
+    assert plain.returncode == 0, plain.stderr
+    assert plain.stdout.splitlines()[-1].endswith(
+        "format 50 (1 of 3 runs with an onset); log-rank z = +1.21 (spa earlier if > 0), two-sided p = 0.225 "
+        "(normal approximation)")
+    counted = run(*command, "--count-stopped")
+    assert counted.returncode == 0, counted.stderr
+    assert counted.stdout.splitlines()[-1] == (
+        "onset (success ≥ 0.200 to the last validation), runs without one censored at their last validation, the "
+        "runs the stop rule ended never rising: Kaplan–Meier median spa 25 (2 of 2 runs with an onset), format not "
+        "reached (1 of 3 runs with an onset); log-rank z = +1.57 (spa earlier if > 0), two-sided p = 0.116 "
+        "(normal approximation)")
+
+
 def write_stopped_arm(directory: Path, name: str, stop_step: int, threshold: int):
     """A run the stop rule ended at `stop_step`: its last `threshold` steps scored every trajectory alike, its config
     asks to stop after `threshold` such steps, its validations at 0 and at the stop found no success."""
@@ -239,7 +281,8 @@ def test_the_studys_runs_file_reproduces_its_step_275_comparison():
     assert seeds.startswith("grpo_guard − format_grpo_guard at step 275, over seeds (5 and 6): +0.030, Welch 95% "
                             "interval [-0.045, +0.105] (df 6.1); exact permutation test of the seeds: one-sided "
                             "p = 0.165")
-    assert checkpoints.startswith("grpo_guard − format_grpo_guard at step 275, over SFT checkpoints (4 and 5): +0.027")
+    assert checkpoints.startswith("grpo_guard − format_grpo_guard at step 275, over SFT checkpoints (4 and 5): "
+                                  "+0.027")
     assert ("power over seeds (80%, two-sided 5%, normal approximation): at 5 and 6 seeds a difference of 0.086 is "
             "found; the observed 0.030 needs 43 seeds a row") in lines
     # their world model after PPO, in the SFT's prompts
@@ -257,3 +300,15 @@ def test_the_studys_runs_file_reproduces_its_step_275_comparison():
     assert lines[6].startswith("| vanilla_grpo_guard | 3 | 0.000 [0.000, 0.002] | 0.000 [0.000, 0.002] | +0.000 |")
     assert any(line.startswith("grpo_guard − format_grpo_guard at step 275, over seeds (7 and 6): -0.075, Welch 95% "
                                "interval [-0.248, +0.098]") for line in lines)
+
+    # the onsets at the SFT-only model's success + 0.05, every run counted: the world-model row's earlier rise is
+    # not beyond chance, and none of it is left with the collapses counted as never rising
+    for extra, medians, test in (([], "grpo_guard 175 (7 of 15 runs with an onset), format_grpo_guard 200 (7 of 9 "
+                                  "runs with an onset)", "log-rank z = +0.87 (grpo_guard earlier if > 0), two-sided "
+                                  "p = 0.386"),
+                                 (["--count-stopped"], "grpo_guard 200 (7 of 15 runs with an onset), "
+                                  "format_grpo_guard 200 (7 of 9 runs with an onset)", "log-rank z = +0.00 "
+                                  "(grpo_guard earlier if > 0), two-sided p = 0.997")):
+        onsets = subprocess.run([*command, "--onset", "0.235", *extra], capture_output=True, text=True, cwd=repo)
+        assert onsets.returncode == 0, onsets.stderr
+        assert f"Kaplan–Meier median {medians}; {test}" in onsets.stdout.splitlines()[-1]
