@@ -346,7 +346,8 @@ def main() -> None:
     parser.add_argument("--count-stopped", action="store_true",
                         help="count runs the stop rule ended (a format collapse) at --step with their last validation")
     parser.add_argument("--onset", type=float, metavar="LEVEL",
-                        help="also each arm's first validation step from which its success stays >= LEVEL")
+                        help="also each arm's first validation step from which its success stays >= LEVEL (with "
+                             "--compare: the two rows' onsets compared, Kaplan-Meier medians and the log-rank test)")
     parser.add_argument("--compare", nargs=2, metavar=("ROW_A", "ROW_B"),
                         help="also ROW_A - ROW_B at --step over seeds: Welch's interval, the permutation test")
     args = parser.parse_args()
