@@ -163,9 +163,23 @@ def test_the_studys_eighth_lease_adds_world_model_seeds_10_to_12_and_vanilla_rl_
 
 def test_the_studys_ninth_lease_runs_spa_under_grpo_guard_in_its_own_prompts_with_seeds_1_and_2():
     _, own_prompts = {name: (start, overrides) for name, start, overrides in study300_arms()}["spa_grpo_guard"]
-    lease9 = {name: (start, overrides) for name, start, overrides in study300_arms()[38:]}
+    lease9 = {name: (start, overrides) for name, start, overrides in study300_arms()[38:40]}
     assert lease9 == {f"spa_grpo_guard_s{seed}": ("wm", [*own_prompts[:-2], f"trainer.seed={seed}",
                                                           f"generator.seed={seed}"]) for seed in (1, 2)}
+
+
+def test_the_studys_tenth_lease_runs_spa_in_its_own_prompts_under_the_ppo_of_the_format_only_rows_best():
+    """Lease 10: gae_kl_3e-5's overrides (with which format_kl_3e-5 reached 0.551 and 0.603) in the world-model SFT's
+    own prompts, spa_grpo_guard's decode compaction, seeds 1 and 2."""
+    arms = {name: (start, overrides) for name, start, overrides in study300_arms()}
+    _, kl = arms["gae_kl_3e-5"]
+    _, own_prompts = arms["spa_grpo_guard"]
+    compaction = [o for o in own_prompts if o.startswith("actor_rollout_ref.rollout.compact_decode_rows=")]
+    lease10 = {name: (start, overrides) for name, start, overrides in study300_arms()[40:]}
+    assert lease10 == {f"spa_kl_3e-5_s{seed}": ("wm", ["ctx_manager.mode=add_worldmodel", *kl[1:], *compaction,
+                                                       f"trainer.seed={seed}", f"generator.seed={seed}"])
+                       for seed in (1, 2)}
+    assert kl[0] == "ctx_manager.mode=base" and arms["format_kl_3e-5"][1][1:-2] == kl[1:]
 
 
 @pytest.mark.parametrize("name, start, overrides", study300_arms(), ids=[a[0] for a in study300_arms()])
@@ -297,17 +311,37 @@ def test_the_lease_script_runs_its_readmes_ninth_lease_one_arm_a_gpu_with_the_la
     settings = [line for line in (log / "settings").read_text().splitlines() if line]
     assert [line.split()[0] for line in settings] == ["spa_grpo_guard_s1", "spa_grpo_guard_s2"]
     assert all(line.endswith(overrides) for line in settings)
-    cfg = compose("_2_sokoban", ["model=smollm2-135m", *SWEEP, *study300_arms()[-1][2], *overrides.split()])
+    cfg = compose("_2_sokoban", ["model=smollm2-135m", *SWEEP, *study300_arms()[39][2], *overrides.split()])
     check_config(cfg)
     assert cfg.ctx_manager.mode == "add_worldmodel" and cfg.trainer.cuda_memory_fraction == float(share) > 0.5
 
 
-def test_the_lease_script_runs_its_readmes_tenth_lease_on_frozen_lake_with_one_sft_a_gpu(tmp_path):
-    """Lease 10: CONFIG=_3_frozen_lake through lease.sh to job.sh and the sweeps; the world-model SFT and its two
+def test_the_lease_script_runs_its_readmes_tenth_lease_one_spa_arm_a_gpu_under_gae_with_the_kl_loss(tmp_path):
+    """Lease 10: as lease 9, SPA in its own prompts one arm a GPU with SHARE, under gae_kl_3e-5 (a critic and the
+    reference model's KL loss beside the actor: the config checks pass with the larger share)."""
+    readme = (REPO / "docs" / "results" / "smollm2_study300" / "README.md").read_text()
+    command = readme[readme.index("## Lease 10"):]
+    arms, share = re.search(r'ARMS="([^"]+)"', command).group(1), re.search(r"SHARE=([0-9.]+)", command).group(1)
+    work, study = run_lease_script(tmp_path, BENCH="0", ARMS=arms, STEPS="275", SHARE=share)
+    overrides = lease_overrides(study, share)
+    log = work / "table2_wm" / "logs"
+    assert (log / "gpu_ids").read_text().split() == ["0", "1"]
+    assert not (work / "table2_nowm").exists() and not (work / "table2_base").exists()
+    settings = [line for line in (log / "settings").read_text().splitlines() if line]
+    assert [line.split()[0] for line in settings] == ["spa_kl_3e-5_s1", "spa_kl_3e-5_s2"]
+    assert all(line.endswith(overrides) for line in settings)
+    cfg = compose("_2_sokoban", ["model=smollm2-135m", *SWEEP, *study300_arms()[-1][2], *overrides.split()])
+    check_config(cfg)
+    assert cfg.ctx_manager.mode == "add_worldmodel" and cfg.algorithm.adv_estimator == "gae"
+    assert cfg.actor_rollout_ref.actor.use_kl_loss and cfg.trainer.cuda_memory_fraction == float(share) > 0.5
+
+
+def test_the_lease_script_runs_its_readmes_eleventh_lease_on_frozen_lake_with_one_sft_a_gpu(tmp_path):
+    """Lease 11: CONFIG=_3_frozen_lake through lease.sh to job.sh and the sweeps; the world-model SFT and its two
     arms on GPU 0, the format-only SFT and its two on GPU 1; the arms, with lease.sh's overrides and the length the
     sweep gives SmolLM2 on FrozenLake, compose there and pass the PPO checks."""
     readme = (REPO / "docs" / "results" / "smollm2_study300" / "README.md").read_text()
-    command = readme[readme.index("## Lease 10"):]
+    command = readme[readme.index("## Lease 11"):]
     arms, config = re.search(r'ARMS="([^"]+)"', command).group(1), re.search(r"CONFIG=(\w+)", command).group(1)
     assert config == "_3_frozen_lake" and re.search(r"BENCH=(\d)", command).group(1) == "0"
     work, study = run_lease_script(tmp_path, BENCH="0", ARMS=arms, STEPS="275", CONFIG=config)
