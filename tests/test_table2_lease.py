@@ -297,11 +297,16 @@ def test_the_300_step_studys_lease_script_runs_its_readmes_eighth_lease(tmp_path
     assert cfg.trainer.log_val_generations == 8 and cfg.trainer.cuda_memory_fraction * 3 < 1
 
 
-def test_the_lease_script_runs_its_readmes_ninth_lease_one_arm_a_gpu_with_the_larger_share(tmp_path):
-    """Lease 9: SPA in its own prompts, one arm alone on each GPU after the world-model SFT, each arm's memory share
-    SHARE (lease.sh's OVERRIDES with it compose and pass the PPO checks)."""
+@pytest.mark.parametrize("lease, names, estimator, kl_loss", [
+    ("## Lease 9", ["spa_grpo_guard_s1", "spa_grpo_guard_s2"], "grpo", False),
+    ("## Lease 10", ["spa_kl_3e-5_s1", "spa_kl_3e-5_s2"], "gae", True)], ids=["ninth", "tenth"])
+def test_the_lease_script_runs_its_readmes_own_prompt_leases_one_arm_a_gpu_with_the_larger_share(
+        tmp_path, lease, names, estimator, kl_loss):
+    """Leases 9 and 10: SPA in its own prompts, one arm alone on each GPU after the world-model SFT, each arm's
+    memory share SHARE; lease.sh's OVERRIDES with it compose and pass the PPO checks, under grpo_guard (lease 9) and
+    under gae_kl_3e-5 (lease 10: a critic and the reference model's KL loss beside the actor)."""
     readme = (REPO / "docs" / "results" / "smollm2_study300" / "README.md").read_text()
-    command = readme[readme.index("## Lease 9"):]
+    command = readme[readme.index(lease):]
     arms, share = re.search(r'ARMS="([^"]+)"', command).group(1), re.search(r"SHARE=([0-9.]+)", command).group(1)
     work, study = run_lease_script(tmp_path, BENCH="0", ARMS=arms, STEPS="275", SHARE=share)
     overrides = lease_overrides(study, share)
@@ -309,31 +314,13 @@ def test_the_lease_script_runs_its_readmes_ninth_lease_one_arm_a_gpu_with_the_la
     assert (log / "gpu_ids").read_text().split() == ["0", "1"]
     assert not (work / "table2_nowm").exists() and not (work / "table2_base").exists()
     settings = [line for line in (log / "settings").read_text().splitlines() if line]
-    assert [line.split()[0] for line in settings] == ["spa_grpo_guard_s1", "spa_grpo_guard_s2"]
+    assert [line.split()[0] for line in settings] == names
     assert all(line.endswith(overrides) for line in settings)
-    cfg = compose("_2_sokoban", ["model=smollm2-135m", *SWEEP, *study300_arms()[39][2], *overrides.split()])
+    recipe = {name: recipe for name, _, recipe in study300_arms()}[names[-1]]
+    cfg = compose("_2_sokoban", ["model=smollm2-135m", *SWEEP, *recipe, *overrides.split()])
     check_config(cfg)
-    assert cfg.ctx_manager.mode == "add_worldmodel" and cfg.trainer.cuda_memory_fraction == float(share) > 0.5
-
-
-def test_the_lease_script_runs_its_readmes_tenth_lease_one_spa_arm_a_gpu_under_gae_with_the_kl_loss(tmp_path):
-    """Lease 10: as lease 9, SPA in its own prompts one arm a GPU with SHARE, under gae_kl_3e-5 (a critic and the
-    reference model's KL loss beside the actor: the config checks pass with the larger share)."""
-    readme = (REPO / "docs" / "results" / "smollm2_study300" / "README.md").read_text()
-    command = readme[readme.index("## Lease 10"):]
-    arms, share = re.search(r'ARMS="([^"]+)"', command).group(1), re.search(r"SHARE=([0-9.]+)", command).group(1)
-    work, study = run_lease_script(tmp_path, BENCH="0", ARMS=arms, STEPS="275", SHARE=share)
-    overrides = lease_overrides(study, share)
-    log = work / "table2_wm" / "logs"
-    assert (log / "gpu_ids").read_text().split() == ["0", "1"]
-    assert not (work / "table2_nowm").exists() and not (work / "table2_base").exists()
-    settings = [line for line in (log / "settings").read_text().splitlines() if line]
-    assert [line.split()[0] for line in settings] == ["spa_kl_3e-5_s1", "spa_kl_3e-5_s2"]
-    assert all(line.endswith(overrides) for line in settings)
-    cfg = compose("_2_sokoban", ["model=smollm2-135m", *SWEEP, *study300_arms()[-1][2], *overrides.split()])
-    check_config(cfg)
-    assert cfg.ctx_manager.mode == "add_worldmodel" and cfg.algorithm.adv_estimator == "gae"
-    assert cfg.actor_rollout_ref.actor.use_kl_loss and cfg.trainer.cuda_memory_fraction == float(share) > 0.5
+    assert cfg.ctx_manager.mode == "add_worldmodel" and cfg.algorithm.adv_estimator == estimator
+    assert cfg.actor_rollout_ref.actor.use_kl_loss == kl_loss and cfg.trainer.cuda_memory_fraction == float(share) > 0.5
 
 
 def test_the_lease_script_runs_its_readmes_eleventh_lease_on_frozen_lake_with_one_sft_a_gpu(tmp_path):
