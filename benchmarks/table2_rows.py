@@ -221,17 +221,17 @@ def stopped_by_uniform_scores(run: Path, records: list[dict]) -> bool:
     return threshold is not None and bool(streaks) and streaks[-1] >= threshold
 
 
-def carry_stopped(arms: dict[str, list[dict]], directories: list[Path], step: int) -> tuple[dict, list[str]]:
-    """(`arms` with each run the stop rule ended before `step` given its last validation's success at `step`, the
-    lines naming them): --count-stopped (module docstring)."""
-    success, carried, notes = f"val-env/{environment(arms)}/success", dict(arms), []
+def carry_stopped(arms: dict[str, list[dict]], directories: list[Path], step: int) -> tuple[dict, dict[str, str]]:
+    """(`arms` with each run the stop rule ended before `step` given its last validation's success at `step`,
+    {such a run: a note naming its stop}): --count-stopped (module docstring)."""
+    success, carried, notes = f"val-env/{environment(arms)}/success", dict(arms), {}
     for directory in directories:
         for name, run in named_runs(directory):
             values = curve(arms[name], success)
             if values and max(values) < step and stopped_by_uniform_scores(run, arms[name]):
                 last = max(values)
                 carried[name] = [*arms[name], {"step": step, success: values[last]}]
-                notes.append(f"{name} ({values[last]:.3f} at step {last})")
+                notes[name] = f"{name} ({values[last]:.3f} at step {last})"
     return carried, notes
 
 
@@ -353,11 +353,12 @@ def main() -> None:
     args = parser.parse_args()
     arms = read_folders(parser, args.directories)
     step = common_step(arms, f"val-env/{environment(arms)}/success") if args.step is None else args.step
-    observed = arms
+    observed, stopped = arms, {}
     if args.count_stopped:
-        arms, carried = carry_stopped(arms, args.directories, step)
-        if carried:
-            print(f"counted at step {step} with the validation of their stop (--count-stopped): {', '.join(carried)}\n")
+        arms, stopped = carry_stopped(arms, args.directories, step)
+        if stopped:
+            print(f"counted at step {step} with the validation of their stop (--count-stopped): "
+                  f"{', '.join(stopped.values())}\n")
     print(table(arms, step, args.val_episodes))
     if args.compare:
         try:
@@ -370,8 +371,7 @@ def main() -> None:
     if args.onset is not None:
         print(f"\n{onsets(observed, args.onset)}")
         if args.compare:
-            never = {name for name in arms if arms[name] is not observed[name]}  # carried by --count-stopped
-            print(f"\n{onset_comparison(observed, *args.compare, args.onset, never)}")
+            print(f"\n{onset_comparison(observed, *args.compare, args.onset, set(stopped))}")
 
 
 if __name__ == "__main__":
