@@ -276,7 +276,7 @@ def test_the_studys_runs_file_reproduces_its_step_275_comparison():
     assert lines[5] == ("not validated at step 275: grpo_guard_s4, grpo_guard_s5, grpo_guard_s6, grpo_guard_s4b, "
                         "grpo_guard_s5b, grpo_guard_s7, grpo_guard_s8, grpo_guard_s9, grpo_guard_s11, grpo_guard_s12, "
                         "format_grpo_guard_s4, format_grpo_guard_s5, format_grpo_guard_s5b, vanilla_grpo_guard_s3, "
-                        "vanilla_grpo_guard_s4, vanilla_grpo_guard_s5")
+                        "vanilla_grpo_guard_s4, vanilla_grpo_guard_s5, spa_grpo_guard_s1, spa_grpo_guard_s2")
     seeds, checkpoints = (line for line in lines if line.startswith("grpo_guard − format_grpo_guard at step 275"))
     assert seeds.startswith("grpo_guard − format_grpo_guard at step 275, over seeds (5 and 6): +0.030, Welch 95% "
                             "interval [-0.045, +0.105] (df 6.1); exact permutation test of the seeds: one-sided "
@@ -312,3 +312,24 @@ def test_the_studys_runs_file_reproduces_its_step_275_comparison():
         onsets = subprocess.run([*command, "--onset", "0.235", *extra], capture_output=True, text=True, cwd=repo)
         assert onsets.returncode == 0, onsets.stderr
         assert f"Kaplan–Meier median {medians}; {test}" in onsets.stdout.splitlines()[-1]
+
+
+def test_the_studys_runs_file_reproduces_its_own_prompt_rows_step_225_comparison():
+    """docs/smollm2.md's ninth lease: SPA with PPO in the world-model SFT's own prompts (two seeds, lease 9) against
+    the format-only row at step 225, the last step both of its runs reached: its SFT-only start, its world model's
+    accuracy before and after PPO, the comparison over seeds, and its onset against the control's."""
+    repo = SCRIPT.parents[1]
+    command = [sys.executable, str(SCRIPT), "@docs/results/smollm2_study300/grpo_guard_runs.txt", "--step", "225",
+               "--onset", "0.235", "--compare", "spa_grpo_guard", "format_grpo_guard"]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=repo)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[3].startswith("| format_grpo_guard | 9 | 0.196 [0.185, 0.208] | 0.260 [0.248, 0.273] | +0.064 |")
+    assert lines[4] == ("| spa_grpo_guard | 2 | 0.177 [0.155, 0.201] | 0.411 [0.381, 0.441] | +0.234 | 0.448, 0.373 | "
+                        "0.998 → 0.517 | 0.263 → 0.017 |")
+    assert ("spa_grpo_guard − format_grpo_guard at step 225, over seeds (2 and 9): +0.150, Welch 95% interval "
+            "[-0.160, +0.461] (df 1.3); exact permutation test of the seeds: one-sided p = 0.018, two-sided "
+            "p = 0.018") in lines
+    assert lines[-1].startswith("onset (success ≥ 0.235 to the last validation), runs without one censored at their "
+                                "last validation: Kaplan–Meier median spa_grpo_guard 25 (2 of 2 runs with an onset), "
+                                "format_grpo_guard 200 (7 of 9 runs with an onset); log-rank z = +3.52")
