@@ -161,11 +161,13 @@ def test_the_studys_eighth_lease_adds_world_model_seeds_10_to_12_and_vanilla_rl_
                       **{f"vanilla_grpo_guard_s{seed}": ("base", seeded(vanilla, seed)) for seed in (3, 4, 5)}}
 
 
-def test_the_studys_ninth_lease_runs_spa_under_grpo_guard_in_its_own_prompts_with_seeds_1_and_2():
+@pytest.mark.parametrize("arms, seeds", [(slice(38, 40), (1, 2)), (slice(42, 44), (3, 4))], ids=["ninth", "twelfth"])
+def test_the_studys_ninth_and_twelfth_leases_run_spa_under_grpo_guard_in_its_own_prompts(arms, seeds):
+    """Lease 4's spa_grpo_guard with other seeds: 1 and 2 in lease 9, 3 and 4 in lease 12."""
     _, own_prompts = {name: (start, overrides) for name, start, overrides in study300_arms()}["spa_grpo_guard"]
-    lease9 = {name: (start, overrides) for name, start, overrides in study300_arms()[38:40]}
-    assert lease9 == {f"spa_grpo_guard_s{seed}": ("wm", [*own_prompts[:-2], f"trainer.seed={seed}",
-                                                          f"generator.seed={seed}"]) for seed in (1, 2)}
+    lease = {name: (start, overrides) for name, start, overrides in study300_arms()[arms]}
+    assert lease == {f"spa_grpo_guard_s{seed}": ("wm", [*own_prompts[:-2], f"trainer.seed={seed}",
+                                                         f"generator.seed={seed}"]) for seed in seeds}
 
 
 def test_the_studys_tenth_lease_runs_spa_in_its_own_prompts_under_the_ppo_of_the_format_only_rows_best():
@@ -175,7 +177,7 @@ def test_the_studys_tenth_lease_runs_spa_in_its_own_prompts_under_the_ppo_of_the
     _, kl = arms["gae_kl_3e-5"]
     _, own_prompts = arms["spa_grpo_guard"]
     compaction = [o for o in own_prompts if o.startswith("actor_rollout_ref.rollout.compact_decode_rows=")]
-    lease10 = {name: (start, overrides) for name, start, overrides in study300_arms()[40:]}
+    lease10 = {name: (start, overrides) for name, start, overrides in study300_arms()[40:42]}
     assert lease10 == {f"spa_kl_3e-5_s{seed}": ("wm", ["ctx_manager.mode=add_worldmodel", *kl[1:], *compaction,
                                                        f"trainer.seed={seed}", f"generator.seed={seed}"])
                        for seed in (1, 2)}
@@ -299,12 +301,14 @@ def test_the_300_step_studys_lease_script_runs_its_readmes_eighth_lease(tmp_path
 
 @pytest.mark.parametrize("lease, names, estimator, kl_loss", [
     ("## Lease 9", ["spa_grpo_guard_s1", "spa_grpo_guard_s2"], "grpo", False),
-    ("## Lease 10", ["spa_kl_3e-5_s1", "spa_kl_3e-5_s2"], "gae", True)], ids=["ninth", "tenth"])
+    ("## Lease 10", ["spa_kl_3e-5_s1", "spa_kl_3e-5_s2"], "gae", True),
+    ("## Lease 12", ["spa_grpo_guard_s3", "spa_grpo_guard_s4"], "grpo", False)], ids=["ninth", "tenth", "twelfth"])
 def test_the_lease_script_runs_its_readmes_own_prompt_leases_one_arm_a_gpu_with_the_larger_share(
         tmp_path, lease, names, estimator, kl_loss):
-    """Leases 9 and 10: SPA in its own prompts, one arm alone on each GPU after the world-model SFT, each arm's
-    memory share SHARE; lease.sh's OVERRIDES with it compose and pass the PPO checks, under grpo_guard (lease 9) and
-    under gae_kl_3e-5 (lease 10: a critic and the reference model's KL loss beside the actor)."""
+    """Leases 9, 10 and 12 (9 as it ran): SPA in its own prompts, one arm alone on each GPU after the world-model
+    SFT, each arm's memory share SHARE; lease.sh's OVERRIDES with it compose and pass the PPO checks, under
+    grpo_guard (leases 9 and 12) and under gae_kl_3e-5 (lease 10: a critic and the reference model's KL loss beside
+    the actor)."""
     readme = (REPO / "docs" / "results" / "smollm2_study300" / "README.md").read_text()
     command = readme[readme.index(lease):]
     arms, share = re.search(r'ARMS="([^"]+)"', command).group(1), re.search(r"SHARE=([0-9.]+)", command).group(1)
