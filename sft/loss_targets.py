@@ -13,6 +13,9 @@ token mask with the fast tokenizer's offset mapping (a token is trained when any
   `</think>` + response + eos, every target token trained except the one right after a placeholder.
 - `states_only`: only the contents of <observation>…</observation> and <prediction>…</prediction>.
 - `answer_only`: only <answer>…</answer> (tags included) and the end-of-turn token.
+- `without_prediction`: `paper` without the contents of <prediction>…</prediction> (its tags stay trained): the model
+  learns to write the current state and the answer, not the next state. Ours, not the paper's: it separates what
+  the transition model adds from what copying the current state in front of the answer adds (issue 43).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class LossTarget(str, enum.Enum):
     RELEASED = "released"
     STATES_ONLY = "states_only"
     ANSWER_ONLY = "answer_only"
+    WITHOUT_PREDICTION = "without_prediction"
 
     @classmethod
     def parse(cls, value: str) -> LossTarget:
@@ -112,10 +116,19 @@ def _answer_only(body: str, eot: str) -> list[Span]:
     return [m.span() for m in _ANSWER.finditer(body)] + [(len(body), len(body) + len(eot))]
 
 
+def _without_prediction(body: str, eot: str) -> list[Span]:
+    spans, start = [], 0
+    for m in _PREDICTION.finditer(body):
+        spans.append((start, m.start(1)))
+        start = m.end(1)
+    return spans + [(start, len(body) + len(eot))]
+
+
 SPAN_FUNCTIONS: dict[LossTarget, Callable[[str, str], list[Span]]] = {
     LossTarget.PAPER: _paper,
     LossTarget.STATES_ONLY: _states_only,
     LossTarget.ANSWER_ONLY: _answer_only,
+    LossTarget.WITHOUT_PREDICTION: _without_prediction,
 }
 
 

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 from omegaconf import OmegaConf
 
@@ -161,13 +162,18 @@ def test_the_studys_eighth_lease_adds_world_model_seeds_10_to_12_and_vanilla_rl_
                       **{f"vanilla_grpo_guard_s{seed}": ("base", seeded(vanilla, seed)) for seed in (3, 4, 5)}}
 
 
-@pytest.mark.parametrize("arms, seeds", [(slice(38, 40), (1, 2)), (slice(42, 44), (3, 4))], ids=["ninth", "twelfth"])
-def test_the_studys_ninth_and_twelfth_leases_run_spa_under_grpo_guard_in_its_own_prompts(arms, seeds):
-    """Lease 4's spa_grpo_guard with other seeds: 1 and 2 in lease 9, 3 and 4 in lease 12."""
+def test_the_studys_ninth_and_twelfth_leases_run_spa_under_grpo_guard_in_its_own_prompts():
+    """Lease 4's spa_grpo_guard with other seeds: 1 and 2 in lease 9, 3 in lease 12; beside seed 3, the same PPO
+    (seed 1's) from the SFT without the prediction's loss (start nopred)."""
     _, own_prompts = {name: (start, overrides) for name, start, overrides in study300_arms()}["spa_grpo_guard"]
-    lease = {name: (start, overrides) for name, start, overrides in study300_arms()[arms]}
-    assert lease == {f"spa_grpo_guard_s{seed}": ("wm", [*own_prompts[:-2], f"trainer.seed={seed}",
-                                                         f"generator.seed={seed}"]) for seed in seeds}
+
+    def seeded(seed: int) -> list[str]:
+        return [*own_prompts[:-2], f"trainer.seed={seed}", f"generator.seed={seed}"]
+
+    lease9 = {name: (start, overrides) for name, start, overrides in study300_arms()[38:40]}
+    assert lease9 == {f"spa_grpo_guard_s{seed}": ("wm", seeded(seed)) for seed in (1, 2)}
+    lease12 = {name: (start, overrides) for name, start, overrides in study300_arms()[42:]}
+    assert lease12 == {"spa_grpo_guard_s3": ("wm", seeded(3)), "nopred_grpo_guard_s1": ("nopred", seeded(1))}
 
 
 def test_the_studys_tenth_lease_runs_spa_in_its_own_prompts_under_the_ppo_of_the_format_only_rows_best():
@@ -189,7 +195,8 @@ def test_each_300_step_study_arm_composes_for_smollm2_and_passes_the_ppo_checks(
     cfg = compose("_2_sokoban", ["model=smollm2-135m", *SWEEP, *overrides])
     check_config(cfg)
     prompts = {"base": ("base", "text"), "wm": ("add_worldmodel" if name.startswith("spa_") else "base",
-                                                 "text_with_coordinates"), "nowm": ("base", "text_with_coordinates")}
+                                                 "text_with_coordinates"), "nowm": ("base", "text_with_coordinates"),
+               "nopred": ("add_worldmodel", "text_with_coordinates")}
     assert (cfg.ctx_manager.mode, cfg.render_mode) == prompts[start]
     assert cfg.trainer.total_training_steps == 300 and cfg.trainer.test_freq == 25
     assert cfg.es_manager.val.env_groups * cfg.es_manager.val.group_size == 512  # 128 puzzles x 4
@@ -301,14 +308,12 @@ def test_the_300_step_studys_lease_script_runs_its_readmes_eighth_lease(tmp_path
 
 @pytest.mark.parametrize("lease, names, estimator, kl_loss", [
     ("## Lease 9", ["spa_grpo_guard_s1", "spa_grpo_guard_s2"], "grpo", False),
-    ("## Lease 10", ["spa_kl_3e-5_s1", "spa_kl_3e-5_s2"], "gae", True),
-    ("## Lease 12", ["spa_grpo_guard_s3", "spa_grpo_guard_s4"], "grpo", False)], ids=["ninth", "tenth", "twelfth"])
+    ("## Lease 10", ["spa_kl_3e-5_s1", "spa_kl_3e-5_s2"], "gae", True)], ids=["ninth", "tenth"])
 def test_the_lease_script_runs_its_readmes_own_prompt_leases_one_arm_a_gpu_with_the_larger_share(
         tmp_path, lease, names, estimator, kl_loss):
-    """Leases 9, 10 and 12 (9 as it ran): SPA in its own prompts, one arm alone on each GPU after the world-model
-    SFT, each arm's memory share SHARE; lease.sh's OVERRIDES with it compose and pass the PPO checks, under
-    grpo_guard (leases 9 and 12) and under gae_kl_3e-5 (lease 10: a critic and the reference model's KL loss beside
-    the actor)."""
+    """Leases 9 (as it ran) and 10: SPA in its own prompts, one arm alone on each GPU after the world-model SFT, each
+    arm's memory share SHARE; lease.sh's OVERRIDES with it compose and pass the PPO checks, under grpo_guard (lease
+    9) and under gae_kl_3e-5 (lease 10: a critic and the reference model's KL loss beside the actor)."""
     readme = (REPO / "docs" / "results" / "smollm2_study300" / "README.md").read_text()
     command = readme[readme.index(lease):]
     arms, share = re.search(r'ARMS="([^"]+)"', command).group(1), re.search(r"SHARE=([0-9.]+)", command).group(1)
@@ -325,6 +330,50 @@ def test_the_lease_script_runs_its_readmes_own_prompt_leases_one_arm_a_gpu_with_
     check_config(cfg)
     assert cfg.ctx_manager.mode == "add_worldmodel" and cfg.algorithm.adv_estimator == estimator
     assert cfg.actor_rollout_ref.actor.use_kl_loss == kl_loss and cfg.trainer.cuda_memory_fraction == float(share) > 0.5
+
+
+def test_the_lease_script_runs_its_readmes_twelfth_lease_with_the_nopred_sft_on_the_second_gpu(tmp_path):
+    """Lease 12: SPA's own-prompt seed 3 after the world-model SFT on GPU 0, and the nopred arm after its own SFT on
+    GPU 1, each alone with the larger share; both compose in add_worldmodel prompts under grpo_guard and pass the
+    PPO checks."""
+    readme = (REPO / "docs" / "results" / "smollm2_study300" / "README.md").read_text()
+    command = readme[readme.index("## Lease 12"):]
+    arms, share = re.search(r'ARMS="([^"]+)"', command).group(1), re.search(r"SHARE=([0-9.]+)", command).group(1)
+    work, study = run_lease_script(tmp_path, BENCH="0", ARMS=arms, STEPS="275", SHARE=share)
+    overrides = lease_overrides(study, share)
+    recipes = {name: recipe for name, _, recipe in study300_arms()}
+    for start, gpu, name in (("wm", "0", "spa_grpo_guard_s3"), ("nopred", "1", "nopred_grpo_guard_s1")):
+        log = work / f"table2_{start}" / "logs"
+        assert (log / "gpu_ids").read_text().split() == [gpu]
+        assert (log / "settings").read_text() == f"{name} {' '.join(recipes[name])} {overrides}"
+        cfg = compose("_2_sokoban", ["model=smollm2-135m", *SWEEP, *recipes[name], *overrides.split()])
+        check_config(cfg)
+        assert cfg.ctx_manager.mode == "add_worldmodel" and cfg.algorithm.adv_estimator == "grpo"
+        assert cfg.trainer.cuda_memory_fraction == float(share) > 0.5
+    assert not (work / "table2_nowm").exists() and not (work / "table2_base").exists()
+
+
+def test_a_nopred_sweep_trains_its_sft_on_the_self_play_data_without_the_predictions_loss(tmp_path):
+    """START=nopred: the SFT reads the world-model data (its rows hold <prediction> blocks) and its last override is
+    data.loss_target=without_prediction, after SFT_OVERRIDES; its arms start from that SFT's checkpoint. The stages
+    print their commands (SPA_PRINT_STAGE) after the real data stage of the tiny model."""
+    out = tmp_path / "sweep"
+    checkpoint = out / "sft" / "global_step_2"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "config.json").write_text("{}")  # as if the SFT had saved
+    env = {**ENV, "START": "nopred", "MODEL": "tiny", "GPUS": "0", "STEPS": "2", "TEST_FREQ": "1", "OUT": str(out),
+           "SPA_PRINT_STAGE": "1", "SFT_OVERRIDES": "data.loss_target=paper",
+           "SETTINGS": "a ctx_manager.mode=add_worldmodel trainer.seed=1"}
+    subprocess.run(["bash", str(REPO / "benchmarks" / "smollm2_sweep.sh")], env=env, cwd=tmp_path, check=True,
+                   capture_output=True, timeout=300)
+    sft = (out / "logs" / "sft.log").read_text().split()
+    assert f"data.train_files={out}/data/wm_train.parquet" in sft
+    assert [arg for arg in sft if arg.startswith("data.loss_target=")] == ["data.loss_target=paper",
+                                                                          "data.loss_target=without_prediction"]
+    assert sft[-2] == "data.loss_target=without_prediction"  # the start's, then only the launcher's preflight
+    responses = pq.read_table(out / "data" / "wm_train.parquet", columns=["response"]).column(0).to_pylist()
+    assert all("<prediction>" in response for response in responses)
+    assert f"model_path={checkpoint}" in (out / "logs" / "a.log").read_text().split()
 
 
 def test_the_lease_script_runs_its_readmes_eleventh_lease_on_frozen_lake_with_one_sft_a_gpu(tmp_path):
