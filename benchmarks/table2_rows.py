@@ -26,7 +26,9 @@ and the 300-step study saw one checkpoint change how all its seeds trained; wher
 checkpoint, a second line makes the same comparison over checkpoints, each checkpoint's seeds averaged into one
 observation (less independence assumed, less power). A last line says what the seeds can resolve: with the two rows'
 seed spreads, the difference a two-sided 5% test finds 80% of the time at the rows' seed counts, and the seeds a row
-that would find the observed difference as often (normal approximation; a planning figure, not a test).
+that would find the observed difference as often (normal approximation; a planning figure, not a test). A row with
+one seed at the step has no spread: no Welch interval and no power line, only the permutation test (its seed's rank
+among the pooled ones).
 
 Arms whose sweep ran with WM_EVAL=1 (benchmarks/smollm2_sweep.sh: `<sweep>/wm_eval/<arm>/eval.json`, beside
 `<sweep>/ppo/`) get one more table: their last checkpoint in the SFT's own prompts, success and the world model's
@@ -163,10 +165,17 @@ def checkpoints_of(directories: list[Path]) -> dict[str, str]:
 
 
 def comparison_line(first: str, second: str, a: list[float], b: list[float], step: int, unit: str) -> str:
-    difference, low, high, df = welch(a, b)
+    """The difference of the means with Welch's interval (where each row has two values: a variance needs them) and
+    the exact permutation test (with one value in a row, its rank among the pooled values)."""
     one_sided, two_sided = permutation_p(a, b)
-    return (f"{first} − {second} at step {step}, over {unit}s ({len(a)} and {len(b)}): "
-            f"{difference:+.3f}, Welch 95% interval [{low:+.3f}, {high:+.3f}] (df {df:.1f}); "
+    if min(len(a), len(b)) < 2:
+        single = first if len(a) < 2 else second
+        spread = (f"{statistics.fmean(a) - statistics.fmean(b):+.3f}; one {unit} in row {single}: no interval over "
+                  f"{unit}s (Welch's needs two a row)")
+    else:
+        difference, low, high, df = welch(a, b)
+        spread = f"{difference:+.3f}, Welch 95% interval [{low:+.3f}, {high:+.3f}] (df {df:.1f})"
+    return (f"{first} − {second} at step {step}, over {unit}s ({len(a)} and {len(b)}): {spread}; "
             f"exact permutation test of the {unit}s: one-sided p = {one_sided:.3f}, two-sided p = {two_sided:.3f}")
 
 
@@ -197,8 +206,8 @@ def compare(arms: dict[str, list[dict]], first: str, second: str, step: int,
             raise ValueError(f"no row named {row} (rows: {', '.join(rows)})")
         reached = [name for name in rows[row] if step in curve(arms[name], success)]
         values[row] = [curve(arms[name], success)[step] for name in reached]
-        if len(values[row]) < 2:
-            raise ValueError(f"row {row} has {len(values[row])} seed(s) validated at step {step}: at least 2 needed")
+        if not values[row]:
+            raise ValueError(f"row {row} has no seed validated at step {step}")
         by_checkpoint: dict[str, list[float]] = {}
         for name, value in zip(reached, values[row]):
             by_checkpoint.setdefault((checkpoints or {}).get(name, name), []).append(value)
@@ -208,7 +217,8 @@ def compare(arms: dict[str, list[dict]], first: str, second: str, step: int,
         few = [row for row in cells if len(cells[row]) < 2]
         lines.append(f"over SFT checkpoints: row {few[0]}'s seeds all start from one checkpoint, no comparison" if few
                      else comparison_line(first, second, cells[first], cells[second], step, "SFT checkpoint"))
-    lines.append(power_line(values[first], values[second]))
+    if min(len(values[first]), len(values[second])) > 1:  # the seeds' spread in both rows
+        lines.append(power_line(values[first], values[second]))
     return "\n".join(lines)
 
 

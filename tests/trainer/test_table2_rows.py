@@ -97,9 +97,16 @@ def test_compare_gives_the_seeds_welch_interval_and_exact_permutation_test(tmp_p
     assert done.stdout.splitlines()[-1] == (
         "power over seeds (80%, two-sided 5%, normal approximation): at 3 and 3 seeds a difference of 0.080 is found; "
         "the observed 0.063 needs 5 seeds a row")
+    # one seed in a row: no variance, so no Welch interval and no power line; the permutation test is its rank among
+    # the pooled seeds: 0.45 - (0.35 + 0.31) / 2 = +0.120, the largest of the three splits (-0.03 and -0.09)
     one_seed = run(tmp_path / "spa_s0", tmp_path / "format_s0", tmp_path / "format_s1", "--compare", "spa", "format")
-    assert one_seed.returncode == 2
-    assert one_seed.stderr.strip() == "error: row spa has 1 seed(s) validated at step 25: at least 2 needed"
+    assert one_seed.returncode == 0, one_seed.stderr
+    assert one_seed.stdout.splitlines()[-1] == (
+        "spa − format at step 25, over seeds (1 and 2): +0.120; one seed in row spa: no interval over seeds "
+        "(Welch's needs two a row); exact permutation test of the seeds: one-sided p = 0.333, two-sided p = 0.333")
+    write_arm(tmp_path / "short", "spa_s0", {0: 0.0})
+    none = run(tmp_path / "short", tmp_path / "format_s0", "--step", "25", "--compare", "spa", "format")
+    assert none.returncode == 2 and none.stderr.strip() == "error: row spa has no seed validated at step 25"
     unknown = run(tmp_path, "--compare", "spa", "vanilla")
     assert unknown.returncode == 2 and unknown.stderr.strip() == "error: no row named vanilla (rows: format, spa)"
 
@@ -135,7 +142,11 @@ def test_compare_also_goes_over_sft_checkpoints_where_a_sweep_holds_several_seed
     assert checkpoint_line.endswith("exact permutation test of the SFT checkpoints: one-sided p = 0.050, "
                                     "two-sided p = 0.100")
     one_sweep = run(folders[0], "--compare", "spa", "format")  # spa's two seeds, one checkpoint; format has one seed
-    assert one_sweep.returncode == 2 and "row format has 1 seed(s)" in one_sweep.stderr
+    assert one_sweep.returncode == 0, one_sweep.stderr
+    assert one_sweep.stdout.splitlines()[-2:] == [
+        "spa − format at step 25, over seeds (2 and 1): +0.120; one seed in row format: no interval over seeds "
+        "(Welch's needs two a row); exact permutation test of the seeds: one-sided p = 0.333, two-sided p = 0.333",
+        "over SFT checkpoints: row spa's seeds all start from one checkpoint, no comparison"]
     spa_in_one = run(folders[0], folders[2] / "format_s3", "--compare", "spa", "format")
     assert spa_in_one.returncode == 0, spa_in_one.stderr
     assert spa_in_one.stdout.splitlines()[-2] == ("over SFT checkpoints: row spa's seeds all start from one "
