@@ -218,8 +218,7 @@ def test_the_300_step_studys_later_leases_put_three_arms_a_gpu_each_with_its_sha
                                                                                     nowm_gpus, base_gpus):
     """Their README's commands: the world-model SFT on GPU 0, the format-only SFT on GPU 1, three arms on each GPU,
     every arm with the sharing overrides (which compose and pass the PPO checks); Vanilla RL's arms without an SFT."""
-    readme = (HERE.parent / "smollm2_study300" / "README.md").read_text()
-    command = readme[readme.index(lease):]
+    command = study_readme_from(lease)
     overrides = re.search(r'OVERRIDES="([^"]+)"', command).group(1)
     arms = re.search(r'ARMS="([^"]+)"', command).group(1)
     wm_eval = re.search(r"WM_EVAL=(\d)", command[:command.index("job.sh")])
@@ -270,6 +269,13 @@ def run_lease_script(tmp_path: Path, **env: str) -> tuple[Path, Path]:
     return work, study
 
 
+def study_readme_from(heading: str) -> str:
+    """The 300-step study's README from `heading` (a lease's section, e.g. "## Lease 9") to its end: the first
+    ARMS=, SHARE=, ... after it are that lease's command's."""
+    readme = (REPO / "docs" / "results" / "smollm2_study300" / "README.md").read_text()
+    return readme[readme.index(heading):]
+
+
 def lease_overrides(study: Path, share: str) -> str:
     """The OVERRIDES lease.sh gives job.sh (not SFT_OVERRIDES), with SHARE=`share`."""
     overrides = re.search(r'(?<!_)OVERRIDES="([^"]+)"', (study / "lease.sh").read_text()).group(1)
@@ -280,8 +286,7 @@ def test_the_300_step_studys_lease_script_runs_its_readmes_eighth_lease(tmp_path
     """lease.sh with the README's lease 8 command (as it ran): one world-model SFT (on GPU 0), the arms placed as
     named (three a GPU: the Vanilla RL arms need no SFT), every arm with lease.sh's sharing overrides and its stop
     rule, STEPS through to the sweeps, and the world model evaluated after PPO."""
-    readme = (REPO / "docs" / "results" / "smollm2_study300" / "README.md").read_text()
-    command = readme[readme.index("## Lease 8"):]
+    command = study_readme_from("## Lease 8")
     arms, steps = re.search(r'ARMS="([^"]+)"', command).group(1), re.search(r"STEPS=(\d+)", command).group(1)
     assert re.search(r"BENCH=(\d)", command).group(1) == "0"
     work, study = run_lease_script(tmp_path, BENCH="0", ARMS=arms, STEPS=steps)
@@ -314,8 +319,7 @@ def test_the_lease_script_runs_its_readmes_own_prompt_leases_one_arm_a_gpu_with_
     """Leases 9 (as it ran) and 10: SPA in its own prompts, one arm alone on each GPU after the world-model SFT, each
     arm's memory share SHARE; lease.sh's OVERRIDES with it compose and pass the PPO checks, under grpo_guard (lease
     9) and under gae_kl_3e-5 (lease 10: a critic and the reference model's KL loss beside the actor)."""
-    readme = (REPO / "docs" / "results" / "smollm2_study300" / "README.md").read_text()
-    command = readme[readme.index(lease):]
+    command = study_readme_from(lease)
     arms, share = re.search(r'ARMS="([^"]+)"', command).group(1), re.search(r"SHARE=([0-9.]+)", command).group(1)
     work, study = run_lease_script(tmp_path, BENCH="0", ARMS=arms, STEPS="275", SHARE=share)
     overrides = lease_overrides(study, share)
@@ -336,8 +340,7 @@ def test_the_lease_script_runs_its_readmes_twelfth_lease_with_the_nopred_sft_on_
     """Lease 12: SPA's own-prompt seed 3 after the world-model SFT on GPU 0, and the nopred arm after its own SFT on
     GPU 1, each alone with the larger share; both compose in add_worldmodel prompts under grpo_guard and pass the
     PPO checks."""
-    readme = (REPO / "docs" / "results" / "smollm2_study300" / "README.md").read_text()
-    command = readme[readme.index("## Lease 12"):]
+    command = study_readme_from("## Lease 12")
     arms, share = re.search(r'ARMS="([^"]+)"', command).group(1), re.search(r"SHARE=([0-9.]+)", command).group(1)
     work, study = run_lease_script(tmp_path, BENCH="0", ARMS=arms, STEPS="275", SHARE=share)
     overrides = lease_overrides(study, share)
@@ -380,8 +383,7 @@ def test_the_lease_script_runs_its_readmes_eleventh_lease_on_frozen_lake_with_on
     """Lease 11: CONFIG=_3_frozen_lake through lease.sh to job.sh and the sweeps; the world-model SFT and its two
     arms on GPU 0, the format-only SFT and its two on GPU 1; the arms, with lease.sh's overrides and the length the
     sweep gives SmolLM2 on FrozenLake, compose there and pass the PPO checks."""
-    readme = (REPO / "docs" / "results" / "smollm2_study300" / "README.md").read_text()
-    command = readme[readme.index("## Lease 11"):]
+    command = study_readme_from("## Lease 11")
     arms, config = re.search(r'ARMS="([^"]+)"', command).group(1), re.search(r"CONFIG=(\w+)", command).group(1)
     assert config == "_3_frozen_lake" and re.search(r"BENCH=(\d)", command).group(1) == "0"
     work, study = run_lease_script(tmp_path, BENCH="0", ARMS=arms, STEPS="275", CONFIG=config)
