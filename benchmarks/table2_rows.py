@@ -195,16 +195,22 @@ def power_line(a: list[float], b: list[float]) -> str:
             f"of {detectable:.3f} is found; the observed {difference:.3f} needs {needed} seeds a row")
 
 
+def named_rows(arms: dict[str, list[dict]], *names: str) -> dict[str, list[str]]:
+    """{row: its arms} for the rows `names`; ValueError naming the rows there are for a row with no arm."""
+    rows = rows_of(arms)
+    for row in names:
+        if row not in rows:
+            raise ValueError(f"no row named {row} (rows: {', '.join(rows)})")
+    return {row: rows[row] for row in names}
+
+
 def compare(arms: dict[str, list[dict]], first: str, second: str, step: int,
             checkpoints: dict[str, str] | None = None) -> str:
     """The seed-level comparison of two rows at `step`, and over SFT checkpoints where `checkpoints` (arm -> its
     checkpoint) gives a row several seeds of one (module docstring)."""
-    success, rows = f"val-env/{environment(arms)}/success", rows_of(arms)
-    values, cells = {}, {}
-    for row in (first, second):
-        if row not in rows:
-            raise ValueError(f"no row named {row} (rows: {', '.join(rows)})")
-        reached = [name for name in rows[row] if step in curve(arms[name], success)]
+    success, values, cells = f"val-env/{environment(arms)}/success", {}, {}
+    for row, names in named_rows(arms, first, second).items():
+        reached = [name for name in names if step in curve(arms[name], success)]
         values[row] = [curve(arms[name], success)[step] for name in reached]
         if not values[row]:
             raise ValueError(f"row {row} has no seed validated at step {step}")
@@ -322,12 +328,10 @@ def onset_comparison(arms: dict[str, list[dict]], first: str, second: str, level
                      never: set[str] | None = None) -> str:
     """The two rows' onsets (success >= `level` to the last validation) as times to an event: a run without one
     censored at its last validation, a run in `never` (the stop rule ended it) at risk to the end."""
-    success, rows, times = f"val-env/{environment(arms)}/success", rows_of(arms), {}
-    for row in (first, second):
-        if row not in rows:
-            raise ValueError(f"no row named {row} (rows: {', '.join(rows)})")
+    success, times = f"val-env/{environment(arms)}/success", {}
+    for row, names in named_rows(arms, first, second).items():
         times[row] = []
-        for name in rows[row]:
+        for name in names:
             values = curve(arms[name], success)
             first_step = onset(values, level)
             times[row].append((math.inf, False) if name in (never or set()) else
