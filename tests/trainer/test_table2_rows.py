@@ -284,10 +284,14 @@ def test_the_studys_runs_file_reproduces_its_step_275_comparison():
     assert lines[2].startswith("| grpo_guard | 5 | 0.006 [0.004, 0.010] | 0.369 [0.350, 0.388] | +0.363 | "
                                "0.456, 0.384, 0.369, 0.349, 0.287 |")
     assert lines[3].startswith("| format_grpo_guard | 6 | 0.194 [0.181, 0.209] | 0.339 [0.322, 0.356] | +0.144 |")
-    assert lines[5] == ("not validated at step 275: grpo_guard_s4, grpo_guard_s5, grpo_guard_s6, grpo_guard_s4b, "
+    # lease 12's nopred ablation, the one run of the own-prompt rows that reached step 275
+    assert lines[4] == ("| nopred_grpo_guard | 1 | 0.089 [0.067, 0.117] | 0.479 [0.437, 0.523] | +0.391 | 0.479 | "
+                        "0.998 → 0.530 | 0.000 → 0.000 |")
+    assert lines[6] == ("not validated at step 275: grpo_guard_s4, grpo_guard_s5, grpo_guard_s6, grpo_guard_s4b, "
                         "grpo_guard_s5b, grpo_guard_s7, grpo_guard_s8, grpo_guard_s9, grpo_guard_s11, grpo_guard_s12, "
                         "format_grpo_guard_s4, format_grpo_guard_s5, format_grpo_guard_s5b, vanilla_grpo_guard_s3, "
-                        "vanilla_grpo_guard_s4, vanilla_grpo_guard_s5, spa_grpo_guard_s1, spa_grpo_guard_s2")
+                        "vanilla_grpo_guard_s4, vanilla_grpo_guard_s5, spa_grpo_guard_s1, spa_grpo_guard_s2, "
+                        "spa_grpo_guard_s3")
     seeds, checkpoints = (line for line in lines if line.startswith("grpo_guard − format_grpo_guard at step 275"))
     assert seeds.startswith("grpo_guard − format_grpo_guard at step 275, over seeds (5 and 6): +0.030, Welch 95% "
                             "interval [-0.045, +0.105] (df 6.1); exact permutation test of the seeds: one-sided "
@@ -325,22 +329,58 @@ def test_the_studys_runs_file_reproduces_its_step_275_comparison():
         assert f"Kaplan–Meier median {medians}; {test}" in onsets.stdout.splitlines()[-1]
 
 
-def test_the_studys_runs_file_reproduces_its_own_prompt_rows_step_225_comparison():
-    """docs/smollm2.md's ninth lease: SPA with PPO in the world-model SFT's own prompts (two seeds, lease 9) against
-    the format-only row at step 225, the last step both of its runs reached: its SFT-only start, its world model's
-    accuracy before and after PPO, the comparison over seeds, and its onset against the control's."""
+def test_the_studys_runs_file_reproduces_its_own_prompt_rows_step_200_comparison():
+    """docs/smollm2.md's twelfth lease: SPA with PPO in the world-model SFT's own prompts (three seeds from two SFT
+    checkpoints, leases 9 and 12) against the format-only row at step 200, the last validation all three reached:
+    its SFT-only start, its world model's accuracy before and after PPO, the comparison over seeds and over
+    checkpoints, and its onset against the control's. At step 225 the row is lease 9's two seeds."""
     repo = SCRIPT.parents[1]
-    command = [sys.executable, str(SCRIPT), "@docs/results/smollm2_study300/grpo_guard_runs.txt", "--step", "225",
+    command = [sys.executable, str(SCRIPT), "@docs/results/smollm2_study300/grpo_guard_runs.txt", "--step", "200",
                "--onset", "0.235", "--compare", "spa_grpo_guard", "format_grpo_guard"]
     done = subprocess.run(command, capture_output=True, text=True, cwd=repo)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert lines[3].startswith("| format_grpo_guard | 9 | 0.196 [0.185, 0.208] | 0.260 [0.248, 0.273] | +0.064 |")
-    assert lines[4] == ("| spa_grpo_guard | 2 | 0.177 [0.155, 0.201] | 0.411 [0.381, 0.441] | +0.234 | 0.448, 0.373 | "
-                        "0.998 → 0.517 | 0.263 → 0.017 |")
+    assert lines[3].startswith("| format_grpo_guard | 9 | 0.196 [0.185, 0.208] | 0.238 [0.226, 0.251] | +0.042 |")
+    assert lines[4] == ("| spa_grpo_guard | 3 | 0.169 [0.151, 0.189] | 0.365 [0.341, 0.389] | +0.196 | 0.413, 0.351, "
+                        "0.331 | 0.998 → 0.690 | 0.261 → 0.007 |")
+    assert ("spa_grpo_guard − format_grpo_guard at step 200, over seeds (3 and 9): +0.127, Welch 95% interval "
+            "[+0.035, +0.218] (df 2.6); exact permutation test of the seeds: one-sided p = 0.005, two-sided "
+            "p = 0.005") in lines
+    assert ("spa_grpo_guard − format_grpo_guard at step 200, over SFT checkpoints (2 and 6): +0.118, Welch 95% "
+            "interval [-0.065, +0.302] (df 1.4); exact permutation test of the SFT checkpoints: one-sided p = 0.036, "
+            "two-sided p = 0.036") in lines
+    assert lines[-1].startswith("onset (success ≥ 0.235 to the last validation), runs without one censored at their "
+                                "last validation: Kaplan–Meier median spa_grpo_guard 50 (3 of 3 runs with an onset), "
+                                "format_grpo_guard 200 (7 of 9 runs with an onset); log-rank z = +3.54")
+
+    at_225 = subprocess.run([*command[:4], "225", *command[5:]], capture_output=True, text=True, cwd=repo)
+    assert at_225.returncode == 0, at_225.stderr
     assert ("spa_grpo_guard − format_grpo_guard at step 225, over seeds (2 and 9): +0.150, Welch 95% interval "
             "[-0.160, +0.461] (df 1.3); exact permutation test of the seeds: one-sided p = 0.018, two-sided "
-            "p = 0.018") in lines
+            "p = 0.018") in at_225.stdout.splitlines()
+
+
+def test_the_studys_runs_file_reproduces_the_nopred_ablations_comparisons():
+    """docs/smollm2.md's twelfth lease: the SFT without the prediction's loss, then the same own-prompt PPO (one seed),
+    against the format-only control at step 275 and against SPA's own-prompt row at step 225: one seed gets the exact
+    permutation test (its rank among the pooled seeds) and no interval over seeds."""
+    repo = SCRIPT.parents[1]
+
+    def compare(step, first, second):
+        done = subprocess.run([sys.executable, str(SCRIPT), "@docs/results/smollm2_study300/grpo_guard_runs.txt",
+                               "--step", step, "--onset", "0.235", "--compare", first, second],
+                              capture_output=True, text=True, cwd=repo)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.splitlines()
+
+    lines = compare("275", "nopred_grpo_guard", "format_grpo_guard")
+    assert ("nopred_grpo_guard − format_grpo_guard at step 275, over seeds (1 and 6): +0.141; one seed in row "
+            "nopred_grpo_guard: no interval over seeds (Welch's needs two a row); exact permutation test of the "
+            "seeds: one-sided p = 0.143, two-sided p = 0.143") in lines
     assert lines[-1].startswith("onset (success ≥ 0.235 to the last validation), runs without one censored at their "
-                                "last validation: Kaplan–Meier median spa_grpo_guard 25 (2 of 2 runs with an onset), "
-                                "format_grpo_guard 200 (7 of 9 runs with an onset); log-rank z = +3.52")
+                                "last validation: Kaplan–Meier median nopred_grpo_guard 100 (1 of 1 runs with an "
+                                "onset), format_grpo_guard 200 (7 of 9 runs with an onset); log-rank z = +3.00")
+    lines = compare("225", "spa_grpo_guard", "nopred_grpo_guard")
+    assert ("spa_grpo_guard − nopred_grpo_guard at step 225, over seeds (2 and 1): +0.015; one seed in row "
+            "nopred_grpo_guard: no interval over seeds (Welch's needs two a row); exact permutation test of the "
+            "seeds: one-sided p = 0.667, two-sided p = 1.000") in lines
