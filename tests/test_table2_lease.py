@@ -162,9 +162,9 @@ def test_the_studys_eighth_lease_adds_world_model_seeds_10_to_12_and_vanilla_rl_
                       **{f"vanilla_grpo_guard_s{seed}": ("base", seeded(vanilla, seed)) for seed in (3, 4, 5)}}
 
 
-def test_the_studys_ninth_and_twelfth_leases_run_spa_under_grpo_guard_in_its_own_prompts():
+def test_the_studys_ninth_twelfth_and_thirteenth_leases_run_spa_under_grpo_guard_in_its_own_prompts():
     """Lease 4's spa_grpo_guard with other seeds: 1 and 2 in lease 9, 3 in lease 12; beside seed 3, the same PPO
-    (seed 1's) from the SFT without the prediction's loss (start nopred)."""
+    (seed 1's) from the SFT without the prediction's loss (start nopred), whose seeds 2 and 3 are lease 13's."""
     _, own_prompts = {name: (start, overrides) for name, start, overrides in study300_arms()}["spa_grpo_guard"]
 
     def seeded(seed: int) -> list[str]:
@@ -172,8 +172,10 @@ def test_the_studys_ninth_and_twelfth_leases_run_spa_under_grpo_guard_in_its_own
 
     lease9 = {name: (start, overrides) for name, start, overrides in study300_arms()[38:40]}
     assert lease9 == {f"spa_grpo_guard_s{seed}": ("wm", seeded(seed)) for seed in (1, 2)}
-    lease12 = {name: (start, overrides) for name, start, overrides in study300_arms()[42:]}
+    lease12 = {name: (start, overrides) for name, start, overrides in study300_arms()[42:44]}
     assert lease12 == {"spa_grpo_guard_s3": ("wm", seeded(3)), "nopred_grpo_guard_s1": ("nopred", seeded(1))}
+    lease13 = {name: (start, overrides) for name, start, overrides in study300_arms()[44:]}
+    assert lease13 == {f"nopred_grpo_guard_s{seed}": ("nopred", seeded(seed)) for seed in (2, 3)}
 
 
 def test_the_studys_tenth_lease_runs_spa_in_its_own_prompts_under_the_ppo_of_the_format_only_rows_best():
@@ -354,6 +356,26 @@ def test_the_lease_script_runs_its_readmes_twelfth_lease_with_the_nopred_sft_on_
         assert cfg.ctx_manager.mode == "add_worldmodel" and cfg.algorithm.adv_estimator == "grpo"
         assert cfg.trainer.cuda_memory_fraction == float(share) > 0.5
     assert not (work / "table2_nowm").exists() and not (work / "table2_base").exists()
+
+
+def test_the_lease_script_runs_its_readmes_thirteenth_lease_with_one_nopred_sft_and_an_arm_a_gpu(tmp_path):
+    """Lease 13: one nopred SFT (on GPU 0), then seeds 2 and 3 of its own-prompt grpo_guard arm, one alone on each GPU
+    with the larger share; no other sweep runs."""
+    command = study_readme_from("## Lease 13")
+    arms, share = re.search(r'ARMS="([^"]+)"', command).group(1), re.search(r"SHARE=([0-9.]+)", command).group(1)
+    assert re.search(r"STEPS=(\d+)", command).group(1) == "275"
+    work, study = run_lease_script(tmp_path, BENCH="0", ARMS=arms, STEPS="275", SHARE=share)
+    overrides = lease_overrides(study, share)
+    recipes = {name: recipe for name, _, recipe in study300_arms()}
+    log = work / "table2_nopred" / "logs"
+    assert (log / "gpu_ids").read_text().split() == ["0", "1"]
+    settings = [line for line in (log / "settings").read_text().splitlines() if line]
+    names = ["nopred_grpo_guard_s2", "nopred_grpo_guard_s3"]
+    assert settings == [f"{name} {' '.join(recipes[name])} {overrides}" for name in names]
+    cfg = compose("_2_sokoban", ["model=smollm2-135m", *SWEEP, *recipes[names[0]], *overrides.split()])
+    check_config(cfg)
+    assert cfg.ctx_manager.mode == "add_worldmodel" and cfg.trainer.cuda_memory_fraction == float(share) > 0.5
+    assert not any((work / f"table2_{start}").exists() for start in ("wm", "nowm", "base"))
 
 
 def test_a_nopred_sweep_trains_its_sft_on_the_self_play_data_without_the_predictions_loss(tmp_path):
