@@ -25,8 +25,9 @@
 # START: what the runs start from: wm (default) the SFT on the self-play data; nowm the SFT on the same rows in the
 # base format, without <observation>/<prediction> (SPA_agent.selfplay.without_worldmodel: the format-only control);
 # nopred the SFT on the self-play data without the loss of the <prediction> contents (data.loss_target=
-# without_prediction, after SFT_OVERRIDES: it learns the current state and the answer, not the next state); base the
-# untouched model, no data and no SFT (Vanilla RL).
+# without_prediction, after SFT_OVERRIDES: it learns the current state and the answer, not the next state); nostate
+# the same without the loss of the <observation> contents either (data.loss_target=without_states: the format and
+# the answer, neither state); base the untouched model, no data and no SFT (Vanilla RL).
 # A setting may choose its own prompts with ctx_manager.mode=... among its overrides (they come after MODE's), and
 # anything else a PPO override can: experiment=vanilla_rl (the plain symbol grid), trainer.seed=1 generator.seed=1
 # (a run's seed: the critic's initialisation and the rollouts' sampling; the puzzles stay seed.train's).
@@ -60,7 +61,7 @@ case "$SFT_GPUS" in ""|0|*[!0-9]*) echo "error: SFT_GPUS takes a number of GPUs 
 GENERATOR="${GENERATOR:-random}"
 case "$GENERATOR" in random|solver) ;; *) echo "error: GENERATOR must be random or solver, got '$GENERATOR'" >&2; exit 2 ;; esac
 START="${START:-wm}"
-case "$START" in wm|nowm|nopred|base) ;; *) echo "error: START must be wm, nowm, nopred or base, got '$START'" >&2; exit 2 ;; esac
+case "$START" in wm|nowm|nopred|nostate|base) ;; *) echo "error: START must be wm, nowm, nopred, nostate or base, got '$START'" >&2; exit 2 ;; esac
 every_gpu=""; [ "$GPUS" -eq 0 ] || every_gpu="$(seq -s ' ' 0 $(( GPUS - 1 )))"
 read -ra GPU_LIST <<< "${GPU_IDS:-$every_gpu}"
 for id in "${GPU_LIST[@]}"; do
@@ -84,6 +85,7 @@ mapfile -t DATA_STAGE <<< "$DATA_STAGE"
 # shellcheck disable=SC2206
 SFT_STAGE=("$CONFIG" "$SFT_GPUS" "$OUT/sft" "$DATA" "$MODEL" $MODEL_SFT_DEFAULTS ${SFT_OVERRIDES:-})
 [ "$START" = nopred ] && SFT_STAGE+=(data.loss_target=without_prediction)
+[ "$START" = nostate ] && SFT_STAGE+=(data.loss_target=without_states)
 if [ "$START" = base ]; then
     START_MODEL="$(python -c "from SPA_agent.config import compose
 print(compose('$CONFIG', ['model=$MODEL_PRESET']).model_path)")"  # the preset's model, as run_baseline.sh's

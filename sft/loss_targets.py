@@ -16,6 +16,10 @@ token mask with the fast tokenizer's offset mapping (a token is trained when any
 - `without_prediction`: `paper` without the contents of <prediction>…</prediction> (its tags stay trained): the model
   learns to write the current state and the answer, not the next state. Ours, not the paper's: it separates what
   the transition model adds from what copying the current state in front of the answer adds (issue 43).
+- `without_states`: `paper` without the contents of <observation>…</observation> and <prediction>…</prediction>
+  (their tags stay trained): the model learns the response's format, its think and its answer, and neither state.
+  Ours, not the paper's: beside `without_prediction`, it separates what copying the current state adds from what
+  the add_worldmodel format alone adds (issue 43).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ class LossTarget(str, enum.Enum):
     STATES_ONLY = "states_only"
     ANSWER_ONLY = "answer_only"
     WITHOUT_PREDICTION = "without_prediction"
+    WITHOUT_STATES = "without_states"
 
     @classmethod
     def parse(cls, value: str) -> LossTarget:
@@ -116,12 +121,21 @@ def _answer_only(body: str, eot: str) -> list[Span]:
     return [m.span() for m in _ANSWER.finditer(body)] + [(len(body), len(body) + len(eot))]
 
 
-def _without_prediction(body: str, eot: str) -> list[Span]:
+def _paper_without_contents(body: str, eot: str, *blocks: re.Pattern) -> list[Span]:
+    """`paper`'s one span with the contents of every matched block (group 1) cut out; the blocks' tags stay."""
     spans, start = [], 0
-    for m in _PREDICTION.finditer(body):
-        spans.append((start, m.start(1)))
-        start = m.end(1)
+    for hole_start, hole_end in sorted(m.span(1) for pattern in blocks for m in pattern.finditer(body)):
+        spans.append((start, hole_start))
+        start = hole_end
     return spans + [(start, len(body) + len(eot))]
+
+
+def _without_prediction(body: str, eot: str) -> list[Span]:
+    return _paper_without_contents(body, eot, _PREDICTION)
+
+
+def _without_states(body: str, eot: str) -> list[Span]:
+    return _paper_without_contents(body, eot, _OBSERVATION, _PREDICTION)
 
 
 SPAN_FUNCTIONS: dict[LossTarget, Callable[[str, str], list[Span]]] = {
@@ -129,6 +143,7 @@ SPAN_FUNCTIONS: dict[LossTarget, Callable[[str, str], list[Span]]] = {
     LossTarget.STATES_ONLY: _states_only,
     LossTarget.ANSWER_ONLY: _answer_only,
     LossTarget.WITHOUT_PREDICTION: _without_prediction,
+    LossTarget.WITHOUT_STATES: _without_states,
 }
 
 

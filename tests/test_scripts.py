@@ -168,7 +168,7 @@ def test_run_baseline_trains_from_the_base_model_and_prints_the_summary(backgrou
     ("benchmarks/smollm2_sweep.sh", (), {"GPU_IDS": "2,3", "GPUS": "0", "OUT": "/nonexistent/out"},
      "GPU_IDS takes GPU numbers separated by spaces, got '2,3'"),
     ("benchmarks/smollm2_sweep.sh", (), {"START": "sft", "GPUS": "0", "OUT": "/nonexistent/out"},
-     "START must be wm, nowm, nopred or base, got 'sft'"),
+     "START must be wm, nowm, nopred, nostate or base, got 'sft'"),
     # every setting's PPO overrides are checked before the data stage (issue 43's Table 2 lease)
     ("benchmarks/smollm2_sweep.sh", (), {"START": "base", "GPUS": "0", "OUT": "/nonexistent/out",
                                          "SETTINGS": "vanilla_s0 experiment=vanilla_rl ctx_manager.mode=bas"},

@@ -162,9 +162,10 @@ def test_the_studys_eighth_lease_adds_world_model_seeds_10_to_12_and_vanilla_rl_
                       **{f"vanilla_grpo_guard_s{seed}": ("base", seeded(vanilla, seed)) for seed in (3, 4, 5)}}
 
 
-def test_the_studys_ninth_twelfth_and_thirteenth_leases_run_spa_under_grpo_guard_in_its_own_prompts():
+def test_the_studys_leases_9_and_12_to_14_run_spa_under_grpo_guard_in_its_own_prompts():
     """Lease 4's spa_grpo_guard with other seeds: 1 and 2 in lease 9, 3 in lease 12; beside seed 3, the same PPO
-    (seed 1's) from the SFT without the prediction's loss (start nopred), whose seeds 2 and 3 are lease 13's."""
+    (seed 1's) from the SFT without the prediction's loss (start nopred), whose seeds 2 and 3 are leases 13 and 14's,
+    each beside a seed of the same PPO from the SFT without either state's loss (start nostate)."""
     _, own_prompts = {name: (start, overrides) for name, start, overrides in study300_arms()}["spa_grpo_guard"]
 
     def seeded(seed: int) -> list[str]:
@@ -174,8 +175,9 @@ def test_the_studys_ninth_twelfth_and_thirteenth_leases_run_spa_under_grpo_guard
     assert lease9 == {f"spa_grpo_guard_s{seed}": ("wm", seeded(seed)) for seed in (1, 2)}
     lease12 = {name: (start, overrides) for name, start, overrides in study300_arms()[42:44]}
     assert lease12 == {"spa_grpo_guard_s3": ("wm", seeded(3)), "nopred_grpo_guard_s1": ("nopred", seeded(1))}
-    lease13 = {name: (start, overrides) for name, start, overrides in study300_arms()[44:]}
-    assert lease13 == {f"nopred_grpo_guard_s{seed}": ("nopred", seeded(seed)) for seed in (2, 3)}
+    leases13_14 = [(name, start, overrides) for name, start, overrides in study300_arms()[44:]]
+    assert leases13_14 == [("nopred_grpo_guard_s2", "nopred", seeded(2)), ("nostate_grpo_guard_s1", "nostate", seeded(1)),
+                           ("nopred_grpo_guard_s3", "nopred", seeded(3)), ("nostate_grpo_guard_s2", "nostate", seeded(2))]
 
 
 def test_the_studys_tenth_lease_runs_spa_in_its_own_prompts_under_the_ppo_of_the_format_only_rows_best():
@@ -198,7 +200,8 @@ def test_each_300_step_study_arm_composes_for_smollm2_and_passes_the_ppo_checks(
     check_config(cfg)
     prompts = {"base": ("base", "text"), "wm": ("add_worldmodel" if name.startswith("spa_") else "base",
                                                  "text_with_coordinates"), "nowm": ("base", "text_with_coordinates"),
-               "nopred": ("add_worldmodel", "text_with_coordinates")}
+               "nopred": ("add_worldmodel", "text_with_coordinates"),
+               "nostate": ("add_worldmodel", "text_with_coordinates")}
     assert (cfg.ctx_manager.mode, cfg.render_mode) == prompts[start]
     assert cfg.trainer.total_training_steps == 300 and cfg.trainer.test_freq == 25
     assert cfg.es_manager.val.env_groups * cfg.es_manager.val.group_size == 512  # 128 puzzles x 4
@@ -338,16 +341,23 @@ def test_the_lease_script_runs_its_readmes_own_prompt_leases_one_arm_a_gpu_with_
     assert cfg.actor_rollout_ref.actor.use_kl_loss == kl_loss and cfg.trainer.cuda_memory_fraction == float(share) > 0.5
 
 
-def test_the_lease_script_runs_its_readmes_twelfth_lease_with_the_nopred_sft_on_the_second_gpu(tmp_path):
-    """Lease 12: SPA's own-prompt seed 3 after the world-model SFT on GPU 0, and the nopred arm after its own SFT on
-    GPU 1, each alone with the larger share; both compose in add_worldmodel prompts under grpo_guard and pass the
-    PPO checks."""
-    command = study_readme_from("## Lease 12")
+@pytest.mark.parametrize("lease, placed", [
+    ("## Lease 12", [("wm", "0", "spa_grpo_guard_s3"), ("nopred", "1", "nopred_grpo_guard_s1")]),
+    ("## Lease 13", [("nopred", "0", "nopred_grpo_guard_s2"), ("nostate", "1", "nostate_grpo_guard_s1")]),
+    ("## Lease 14", [("nopred", "0", "nopred_grpo_guard_s3"), ("nostate", "1", "nostate_grpo_guard_s2")])],
+    ids=["twelfth", "thirteenth", "fourteenth"])
+def test_the_lease_script_runs_its_readmes_own_prompt_ablation_leases_one_sft_and_arm_a_gpu(tmp_path, lease, placed):
+    """Leases 12 (as it ran) to 14: two sweeps, each with its own SFT and one arm alone on its GPU with the larger
+    share (lease 12: SPA's seed 3 after the world-model SFT, the nopred arm after its SFT; leases 13 and 14: a nopred
+    and a nostate arm); every arm composes in add_worldmodel prompts under grpo_guard and passes the PPO checks, and
+    no other sweep runs."""
+    command = study_readme_from(lease)
     arms, share = re.search(r'ARMS="([^"]+)"', command).group(1), re.search(r"SHARE=([0-9.]+)", command).group(1)
+    assert re.search(r"STEPS=(\d+)", command).group(1) == "275"
     work, study = run_lease_script(tmp_path, BENCH="0", ARMS=arms, STEPS="275", SHARE=share)
     overrides = lease_overrides(study, share)
     recipes = {name: recipe for name, _, recipe in study300_arms()}
-    for start, gpu, name in (("wm", "0", "spa_grpo_guard_s3"), ("nopred", "1", "nopred_grpo_guard_s1")):
+    for start, gpu, name in placed:
         log = work / f"table2_{start}" / "logs"
         assert (log / "gpu_ids").read_text().split() == [gpu]
         assert (log / "settings").read_text() == f"{name} {' '.join(recipes[name])} {overrides}"
@@ -355,38 +365,22 @@ def test_the_lease_script_runs_its_readmes_twelfth_lease_with_the_nopred_sft_on_
         check_config(cfg)
         assert cfg.ctx_manager.mode == "add_worldmodel" and cfg.algorithm.adv_estimator == "grpo"
         assert cfg.trainer.cuda_memory_fraction == float(share) > 0.5
-    assert not (work / "table2_nowm").exists() and not (work / "table2_base").exists()
+    others = {"wm", "nowm", "nopred", "nostate", "base"} - {start for start, _, _ in placed}
+    assert not any((work / f"table2_{start}").exists() for start in others)
 
 
-def test_the_lease_script_runs_its_readmes_thirteenth_lease_with_one_nopred_sft_and_an_arm_a_gpu(tmp_path):
-    """Lease 13: one nopred SFT (on GPU 0), then seeds 2 and 3 of its own-prompt grpo_guard arm, one alone on each GPU
-    with the larger share; no other sweep runs."""
-    command = study_readme_from("## Lease 13")
-    arms, share = re.search(r'ARMS="([^"]+)"', command).group(1), re.search(r"SHARE=([0-9.]+)", command).group(1)
-    assert re.search(r"STEPS=(\d+)", command).group(1) == "275"
-    work, study = run_lease_script(tmp_path, BENCH="0", ARMS=arms, STEPS="275", SHARE=share)
-    overrides = lease_overrides(study, share)
-    recipes = {name: recipe for name, _, recipe in study300_arms()}
-    log = work / "table2_nopred" / "logs"
-    assert (log / "gpu_ids").read_text().split() == ["0", "1"]
-    settings = [line for line in (log / "settings").read_text().splitlines() if line]
-    names = ["nopred_grpo_guard_s2", "nopred_grpo_guard_s3"]
-    assert settings == [f"{name} {' '.join(recipes[name])} {overrides}" for name in names]
-    cfg = compose("_2_sokoban", ["model=smollm2-135m", *SWEEP, *recipes[names[0]], *overrides.split()])
-    check_config(cfg)
-    assert cfg.ctx_manager.mode == "add_worldmodel" and cfg.trainer.cuda_memory_fraction == float(share) > 0.5
-    assert not any((work / f"table2_{start}").exists() for start in ("wm", "nowm", "base"))
-
-
-def test_a_nopred_sweep_trains_its_sft_on_the_self_play_data_without_the_predictions_loss(tmp_path):
-    """START=nopred: the SFT reads the world-model data (its rows hold <prediction> blocks) and its last override is
-    data.loss_target=without_prediction, after SFT_OVERRIDES; its arms start from that SFT's checkpoint. The stages
-    print their commands (SPA_PRINT_STAGE) after the real data stage of the tiny model."""
+@pytest.mark.parametrize("start, loss_target", [("nopred", "without_prediction"), ("nostate", "without_states")])
+def test_an_ablation_sweep_trains_its_sft_on_the_self_play_data_with_its_loss_target_last(tmp_path, start,
+                                                                                          loss_target):
+    """START=nopred and START=nostate: the SFT reads the world-model data (its rows hold <observation> and
+    <prediction> blocks) and its last override is the start's loss target (data.loss_target=without_prediction,
+    without_states), after SFT_OVERRIDES; its arms start from that SFT's checkpoint. The stages print their commands
+    (SPA_PRINT_STAGE) after the real data stage of the tiny model."""
     out = tmp_path / "sweep"
     checkpoint = out / "sft" / "global_step_2"
     checkpoint.mkdir(parents=True)
     (checkpoint / "config.json").write_text("{}")  # as if the SFT had saved
-    env = {**ENV, "START": "nopred", "MODEL": "tiny", "GPUS": "0", "STEPS": "2", "TEST_FREQ": "1", "OUT": str(out),
+    env = {**ENV, "START": start, "MODEL": "tiny", "GPUS": "0", "STEPS": "2", "TEST_FREQ": "1", "OUT": str(out),
            "SPA_PRINT_STAGE": "1", "SFT_OVERRIDES": "data.loss_target=paper",
            "SETTINGS": "a ctx_manager.mode=add_worldmodel trainer.seed=1"}
     subprocess.run(["bash", str(REPO / "benchmarks" / "smollm2_sweep.sh")], env=env, cwd=tmp_path, check=True,
@@ -394,10 +388,10 @@ def test_a_nopred_sweep_trains_its_sft_on_the_self_play_data_without_the_predict
     sft = (out / "logs" / "sft.log").read_text().split()
     assert f"data.train_files={out}/data/wm_train.parquet" in sft
     assert [arg for arg in sft if arg.startswith("data.loss_target=")] == ["data.loss_target=paper",
-                                                                          "data.loss_target=without_prediction"]
-    assert sft[-2] == "data.loss_target=without_prediction"  # the start's, then only the launcher's preflight
+                                                                          f"data.loss_target={loss_target}"]
+    assert sft[-2] == f"data.loss_target={loss_target}"  # the start's, then only the launcher's preflight
     responses = pq.read_table(out / "data" / "wm_train.parquet", columns=["response"]).column(0).to_pylist()
-    assert all("<prediction>" in response for response in responses)
+    assert all("<observation>" in response and "<prediction>" in response for response in responses)
     assert f"model_path={checkpoint}" in (out / "logs" / "a.log").read_text().split()
 
 

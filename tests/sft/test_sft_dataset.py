@@ -28,6 +28,8 @@ EXPECTED_RUNS = {
     LossTarget.ANSWER_ONLY: [["<", "answer", ">", "Le", "ft", " |", "|", " Up", "<", "/", "answer", ">", EOT]],
     # the whole response and the end-of-turn token but the contents of <prediction>
     LossTarget.WITHOUT_PREDICTION: [BODY[:14], BODY[15:]],
+    # the whole response and the end-of-turn token but the contents of <observation> and <prediction>
+    LossTarget.WITHOUT_STATES: [BODY[:3], BODY[6:14], BODY[15:]],
     # "</think>" + placeholder response + eot, minus the token after each placeholder (" push" and "<")
     LossTarget.RELEASED: [["<", "/", "think", ">", "<", "think", ">", " ", "<obs_content>"],
                           [" ", "<pred_content>"],
@@ -71,7 +73,7 @@ def test_loss_mask_is_token_exact(template, row_file, loss_target):
 
 
 @pytest.mark.parametrize("loss_target", [LossTarget.PAPER, LossTarget.STATES_ONLY, LossTarget.ANSWER_ONLY,
-                                         LossTarget.WITHOUT_PREDICTION])
+                                         LossTarget.WITHOUT_PREDICTION, LossTarget.WITHOUT_STATES])
 def test_prompt_is_template_plus_forced_think_and_never_trained(template, row_file, loss_target):
     tokenizer, _ = template
     sample = SpaSftDataset(str(row_file), tokenizer, loss_target=loss_target.value)[0]

@@ -9,7 +9,7 @@
 cd "${WORK:-/tmp}" || exit 1
 paths=(out)
 [ -e gate.txt ] && paths+=(gate.txt)
-for sweep in table2_wm table2_nowm table2_nopred table2_base; do
+for sweep in table2_wm table2_nowm table2_nopred table2_nostate table2_base; do
     for sub in logs ppo wm_eval data/data_card.json data/data_card.md data_nowm/data_card.json sft/metrics.jsonl \
             sft/sft_config.yaml sft/truncation.json; do
         [ -e "$sweep/$sub" ] && paths+=("$sweep/$sub")

@@ -16,12 +16,14 @@
 # Vanilla RL with seed 0, then seeds 1 and 2 of SPA, then of format-only, then of Vanilla RL. The first
 # ARMS_PER_GPU (2) x GPUs of them run (ARMS="name ..." picks others, e.g. the rest in a later lease); arm i goes to
 # GPU i mod GPUs, or to the GPU a name in ARMS gives it after an @ (ARMS="spa_s0 format_s0@1 format_s1@1": SPA alone
-# on GPU 0, the two format-only seeds side by side on GPU 1). Up to four sweeps of benchmarks/smollm2_sweep.sh run
+# on GPU 0, the two format-only seeds side by side on GPU 1). Up to five sweeps of benchmarks/smollm2_sweep.sh run
 # side by side, one per start:
 #   wm    random-action data, world-model SFT (2 epochs) on the first GPU of its arms, then its arms (SPA);
 #   nowm  the same data without state blocks, SFT on the first GPU of its arms, then its arms (format-only);
 #   nopred the same data, SFT without the loss of the <prediction> contents, then its arms (issue 43's ablation of
 #         the transition model: the SFT learns the current state and the answer, not the next state);
+#   nostate the same data, SFT without the loss of the <observation> and <prediction> contents, then its arms (the
+#         ablation of both states: the SFT learns the add_worldmodel format and the answer, neither state);
 #   base  no data, no SFT: its arms start at once from the untouched model (Vanilla RL).
 # The two SFTs run side by side (spa_s0 is on GPU 0, format_s0 on GPU 1). Every arm: GAE, actor lr 1e-5, critic
 # 1e-4, validation at step 0 and every 25 steps on 128 puzzles x 4, up to 300 steps (the lease ends them sooner).
@@ -149,11 +151,11 @@ while read -r name start overrides; do
     [ "$N" -gt 0 ] && GPU_IDS[$start]+="${PLACED[$name]:-$(( i % N ))} "
     i=$(( i + 1 ))
 done <<< "$CHOSEN"
-# Each sweep's SFT runs on its first GPU: the nowm (then the nopred) sweep's list starts at a GPU where no earlier
+# Each sweep's SFT runs on its first GPU: the nowm (then nopred, nostate) sweep's list starts at a GPU where no earlier
 # sweep's SFT runs, where it has one (on two GPUs, ARMS="spa_s1 spa_s2 format_s1 format_s2" would put both SFTs on
 # GPU 0), the same arms a GPU.
 wm_gpus="${GPU_IDS[wm]:-}"; sft_gpus=" ${wm_gpus%% *} "
-for start in nowm nopred; do
+for start in nowm nopred nostate; do
     [ -n "${GPU_IDS[$start]:-}" ] || continue
     read -ra ids <<< "${GPU_IDS[$start]}"
     for k in "${!ids[@]}"; do
@@ -260,7 +262,7 @@ SAVE_FREQ=0; [ -n "${DEADLINE:-}" ] && SAVE_FREQ="${TEST_FREQ:-25}"
 GATE_FILE="$WORK/gate.txt"; rm -f "$GATE_FILE" "$WORK"/table2_*/logs/ready  # none of an earlier job's
 WAIT_FOR=""; { [ "$GATE" = pipeline ] || [ -n "${DEADLINE:-}" ]; } && WAIT_FOR="$GATE_FILE"
 declare -A SWEEP_PID
-for start in wm nowm nopred base; do
+for start in wm nowm nopred nostate base; do
     [ -n "${SETTINGS[$start]:-}" ] || continue
     p "sweep $start on GPUs ${GPU_IDS[$start]:-none}: $(cut -d' ' -f1 <<< "${SETTINGS[$start]%$'\n'}" | tr '\n' ' ')"
     (
