@@ -353,6 +353,17 @@ def test_the_studys_runs_file_reproduces_its_own_prompt_rows_step_200_comparison
                                 "last validation: Kaplan–Meier median spa_grpo_guard 50 (3 of 3 runs with an onset), "
                                 "format_grpo_guard 200 (7 of 9 runs with an onset); log-rank z = +3.54")
 
+    # docs/smollm2.md's Table 2 at equal PPO steps: every row at step 200, the runs the stop rule ended counted
+    counted = subprocess.run([*command[:5], "--count-stopped"], capture_output=True, text=True, cwd=repo)
+    assert counted.returncode == 0, counted.stderr
+    rows = [line for line in counted.stdout.splitlines() if line.startswith("| ") and not line.startswith("| row")]
+    assert [" | ".join(row.split(" | ")[:4]) for row in rows[:5]] == [
+        "| grpo_guard | 10 | 0.006 [0.004, 0.008] | 0.233 [0.222, 0.245]",
+        "| format_grpo_guard | 9 | 0.196 [0.185, 0.208] | 0.238 [0.226, 0.251]",
+        "| vanilla_grpo_guard | 3 | 0.000 [0.000, 0.002] | 0.000 [0.000, 0.002]",
+        "| spa_grpo_guard | 3 | 0.169 [0.151, 0.189] | 0.365 [0.341, 0.389]",
+        "| nopred_grpo_guard | 1 | 0.089 [0.067, 0.117] | 0.371 [0.330, 0.414]"]
+
     at_225 = subprocess.run([*command[:4], "225", *command[5:]], capture_output=True, text=True, cwd=repo)
     assert at_225.returncode == 0, at_225.stderr
     assert ("spa_grpo_guard − format_grpo_guard at step 225, over seeds (2 and 9): +0.150, Welch 95% interval "
