@@ -162,10 +162,10 @@ def test_the_studys_eighth_lease_adds_world_model_seeds_10_to_12_and_vanilla_rl_
                       **{f"vanilla_grpo_guard_s{seed}": ("base", seeded(vanilla, seed)) for seed in (3, 4, 5)}}
 
 
-def test_the_studys_leases_9_and_12_to_14_run_spa_under_grpo_guard_in_its_own_prompts():
-    """Lease 4's spa_grpo_guard with other seeds: 1 and 2 in lease 9, 3 in lease 12; beside seed 3, the same PPO
-    (seed 1's) from the SFT without the prediction's loss (start nopred), whose seeds 2 and 3 are leases 13 and 14's,
-    each beside a seed of the same PPO from the SFT without either state's loss (start nostate)."""
+def test_the_studys_leases_9_and_12_to_15_run_spa_under_grpo_guard_in_its_own_prompts():
+    """Lease 4's spa_grpo_guard with other seeds: 1 and 2 in lease 9, 3 in lease 12, 4 and 5 in lease 15; beside seed
+    3, the same PPO (seed 1's) from the SFT without the prediction's loss (start nopred), whose seeds 2 and 3 are
+    leases 13 and 14's, each beside a seed of the same PPO from the SFT without either state's loss (start nostate)."""
     _, own_prompts = {name: (start, overrides) for name, start, overrides in study300_arms()}["spa_grpo_guard"]
 
     def seeded(seed: int) -> list[str]:
@@ -175,9 +175,13 @@ def test_the_studys_leases_9_and_12_to_14_run_spa_under_grpo_guard_in_its_own_pr
     assert lease9 == {f"spa_grpo_guard_s{seed}": ("wm", seeded(seed)) for seed in (1, 2)}
     lease12 = {name: (start, overrides) for name, start, overrides in study300_arms()[42:44]}
     assert lease12 == {"spa_grpo_guard_s3": ("wm", seeded(3)), "nopred_grpo_guard_s1": ("nopred", seeded(1))}
-    leases13_14 = [(name, start, overrides) for name, start, overrides in study300_arms()[44:]]
-    assert leases13_14 == [("nopred_grpo_guard_s2", "nopred", seeded(2)), ("nostate_grpo_guard_s1", "nostate", seeded(1)),
-                           ("nopred_grpo_guard_s3", "nopred", seeded(3)), ("nostate_grpo_guard_s2", "nostate", seeded(2))]
+    leases13_14 = [(name, start, overrides) for name, start, overrides in study300_arms()[44:48]]
+    assert leases13_14 == [("nopred_grpo_guard_s2", "nopred", seeded(2)),
+                           ("nostate_grpo_guard_s1", "nostate", seeded(1)),
+                           ("nopred_grpo_guard_s3", "nopred", seeded(3)),
+                           ("nostate_grpo_guard_s2", "nostate", seeded(2))]
+    lease15 = {name: (start, overrides) for name, start, overrides in study300_arms()[48:]}
+    assert lease15 == {f"spa_grpo_guard_s{seed}": ("wm", seeded(seed)) for seed in (4, 5)}
 
 
 def test_the_studys_tenth_lease_runs_spa_in_its_own_prompts_under_the_ppo_of_the_format_only_rows_best():
@@ -281,10 +285,14 @@ def study_readme_from(heading: str) -> str:
     return readme[readme.index(heading):]
 
 
-def lease_overrides(study: Path, share: str) -> str:
-    """The OVERRIDES lease.sh gives job.sh (not SFT_OVERRIDES), with SHARE=`share`."""
-    overrides = re.search(r'(?<!_)OVERRIDES="([^"]+)"', (study / "lease.sh").read_text()).group(1)
-    return overrides.replace("${SHARE:-0.3}", share)
+def lease_overrides(study: Path, share: str, sharing: bool = True) -> str:
+    """The OVERRIDES lease.sh gives job.sh (not SFT_OVERRIDES), with SHARE=`share`, and with its sharing overrides
+    unless SHARING=0 (`sharing` False)."""
+    script = (study / "lease.sh").read_text()
+    overrides = re.search(r'(?<![_A-Z])OVERRIDES="([^"]+)"', script).group(1)
+    sharing_overrides = re.search(r'SHARING_OVERRIDES="([^"]+)"', script).group(1)
+    overrides = overrides.replace("${SHARE:-0.3}", share)
+    return overrides.replace("${SHARING_OVERRIDES:+ $SHARING_OVERRIDES}", f" {sharing_overrides}" if sharing else "")
 
 
 def test_the_300_step_studys_lease_script_runs_its_readmes_eighth_lease(tmp_path):
@@ -339,6 +347,33 @@ def test_the_lease_script_runs_its_readmes_own_prompt_leases_one_arm_a_gpu_with_
     check_config(cfg)
     assert cfg.ctx_manager.mode == "add_worldmodel" and cfg.algorithm.adv_estimator == estimator
     assert cfg.actor_rollout_ref.actor.use_kl_loss == kl_loss and cfg.trainer.cuda_memory_fraction == float(share) > 0.5
+
+
+def test_the_lease_script_runs_its_readmes_fifteenth_lease_without_the_sharing_overrides(tmp_path):
+    """Lease 15: SHARING=0 leaves out lease.sh's sharing overrides (validation batches, update micro-batch budgets),
+    so the two SPA arms, one alone on each GPU after one world-model SFT, run with the preset's own; they compose and
+    pass the PPO checks. SHARING takes 1 or 0 and nothing else."""
+    command = study_readme_from("## Lease 15")
+    arms, share = re.search(r'ARMS="([^"]+)"', command).group(1), re.search(r"SHARE=([0-9.]+)", command).group(1)
+    assert re.search(r"SHARING=(\d)", command).group(1) == "0"
+    work, study = run_lease_script(tmp_path, BENCH="0", ARMS=arms, STEPS="275", SHARE=share, SHARING="0")
+    overrides = lease_overrides(study, share, sharing=False)
+    assert "generator.batch_size" not in overrides and "ppo_max_token_len_per_gpu" not in overrides
+    log = work / "table2_wm" / "logs"
+    assert (log / "gpu_ids").read_text().split() == ["0", "1"]
+    recipes = {name: recipe for name, _, recipe in study300_arms()}
+    names = ["spa_grpo_guard_s4", "spa_grpo_guard_s5"]
+    settings = [line for line in (log / "settings").read_text().splitlines() if line]
+    assert settings == [f"{name} {' '.join(recipes[name])} {overrides}" for name in names]
+    cfg = compose("_2_sokoban", ["model=smollm2-135m", *SWEEP, *recipes[names[0]], *overrides.split()])
+    check_config(cfg)
+    budget = compose("_2_sokoban", ["model=smollm2-135m"]).actor_rollout_ref.actor.ppo_max_token_len_per_gpu
+    assert cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu == budget  # the preset's, not the sharing 16k
+    assert cfg.ctx_manager.mode == "add_worldmodel" and cfg.trainer.cuda_memory_fraction == float(share) > 0.5
+
+    refused = subprocess.run(["bash", str(study / "lease.sh")], env={**ENV, "ARMS": arms, "SHARING": "no"},
+                             cwd=tmp_path, capture_output=True, text=True)
+    assert refused.returncode == 2 and "SHARING takes 1 or 0, got 'no'" in refused.stderr
 
 
 @pytest.mark.parametrize("lease, placed", [

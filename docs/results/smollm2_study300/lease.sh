@@ -17,8 +17,13 @@
 #   job.sh's). Its progress goes to /tmp/out/progress.txt as in every lease, with one line for each benchmark.
 #   SHARE (0.3) is each arm's share of its GPU's memory (trainer.cuda_memory_fraction): 0.3 lets three arms share a
 #   GPU; an arm alone on its GPU that needs more (SPA in its own prompts ran out of 0.3 in lease 4) takes more.
+#   SHARING=0 leaves out the overrides that let arms share a GPU (decode batches of at most 256 rows, 16k-token
+#   update micro-batches; SHARING_OVERRIDES below): an arm alone on its GPU runs faster with the preset's own, and
+#   only how the work is batched changes, not what is sampled or optimized.
 set -uo pipefail
 : "${ARMS:?ARMS names the arms of arms.txt this lease runs}"
+SHARING_OVERRIDES="generator.batch_size=256 generator.max_batch_tokens=null actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384 critic.ppo_max_token_len_per_gpu=16384"
+case "${SHARING:-1}" in 1) ;; 0) SHARING_OVERRIDES="" ;; *) echo "error: SHARING takes 1 or 0, got '$SHARING'" >&2; exit 2 ;; esac
 export PYTHONPATH="/tmp/site:${PWD}" SPA_SMOLLM2_GGUF=/tmp/smol.gguf PATH="/tmp/site/bin:$PATH" \
     HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 O="${WORK:-/tmp}/out"
@@ -62,5 +67,5 @@ if [ "${BENCH:-1}" = 1 ]; then
     fi
 fi
 WM_EVAL=1 GATE=off ARMS_FILE=docs/results/smollm2_study300/arms.txt \
-    OVERRIDES="trainer.log_val_generations=8 trainer.stop_after_uniform_scores=20 trainer.cuda_memory_fraction=${SHARE:-0.3} generator.batch_size=256 generator.max_batch_tokens=null actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384 critic.ppo_max_token_len_per_gpu=16384" \
+    OVERRIDES="trainer.log_val_generations=8 trainer.stop_after_uniform_scores=20 trainer.cuda_memory_fraction=${SHARE:-0.3}${SHARING_OVERRIDES:+ $SHARING_OVERRIDES}" \
     ARMS="$ARMS" REPO="$PWD" bash docs/results/smollm2_table2/job.sh
