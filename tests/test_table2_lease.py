@@ -350,7 +350,7 @@ def test_the_lease_script_runs_its_readmes_own_prompt_leases_one_arm_a_gpu_with_
 
 
 def test_the_lease_script_runs_its_readmes_fifteenth_lease_without_the_sharing_overrides(tmp_path):
-    """Lease 15: SHARING=0 leaves out lease.sh's sharing overrides (validation batches, update micro-batch budgets),
+    """Lease 15: SHARING=0 leaves out lease.sh's sharing overrides (decode batch size, update micro-batch budgets),
     so the two SPA arms, one alone on each GPU after one world-model SFT, run with the preset's own; they compose and
     pass the PPO checks. SHARING takes 1 or 0 and nothing else."""
     command = study_readme_from("## Lease 15")
