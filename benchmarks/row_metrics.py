@@ -24,7 +24,7 @@ from study_curves import RunsParser, read_folders, rows_of  # noqa: E402
 
 
 def window(text: str) -> tuple[int, int]:
-    """"A:B" as (A, B), 0 <= A <= B; anything else is a usage error."""
+    """FIRST:LAST as (FIRST, LAST), two steps with FIRST <= LAST; anything else is a ValueError (a usage error)."""
     first, sep, last = text.partition(":")
     if not (sep and first.isdigit() and last.isdigit() and int(first) <= int(last)):
         raise ValueError(f"a window is FIRST:LAST, two steps with FIRST <= LAST, got {text!r}")
