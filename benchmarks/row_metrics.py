@@ -1,4 +1,4 @@
-"""Each row's training metrics averaged over windows of PPO steps (issue 43): what differs between settings before
+r"""Each row's training metrics averaged over windows of PPO steps (issue 43): what differs between settings before
 their validation success does.
 
     python benchmarks/row_metrics.py @docs/results/smollm2_study300/grpo_guard_runs.txt --windows 1:25 26:100 \
