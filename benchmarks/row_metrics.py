@@ -50,9 +50,7 @@ def table(arms: dict[str, list[dict]], keys: list[str], first: int, last: int) -
 
 def main() -> None:
     parser = RunsParser(description=__doc__)
-    parser.add_argument("directories", type=Path, nargs="+",
-                        help="folders holding one run directory per arm, run directories (one arm each), or "
-                             "NAME=RUN: the run directory RUN as the arm NAME")
+    parser.add_runs_argument()
     parser.add_argument("--windows", nargs="+", required=True, metavar="FIRST:LAST",
                         help="windows of PPO steps, both ends included (1:25 26:100)")
     parser.add_argument("--keys", nargs="+", required=True, metavar="KEY",

@@ -57,6 +57,12 @@ class RunsParser(argparse.ArgumentParser):
         line = arg_line.strip()
         return [] if not line or line.startswith("#") else [line]
 
+    def add_runs_argument(self) -> None:
+        """The positional `directories`, read by `read_folders`."""
+        self.add_argument("directories", type=Path, nargs="+",
+                          help="folders holding one run directory per arm, run directories (one arm each), or "
+                               "NAME=RUN: the run directory RUN as the arm NAME")
+
 
 def metrics_file(run: Path) -> Path | None:
     """A run directory's metrics.jsonl, or its gzip-compressed metrics.jsonl.gz."""
@@ -175,9 +181,7 @@ def markdown(arms: dict[str, list[dict]], key: str, episodes: int) -> str:
 
 def main() -> None:
     parser = RunsParser(description=__doc__)
-    parser.add_argument("directories", type=Path, nargs="+",
-                        help="folders holding one run directory per arm, run directories (one arm each), or "
-                             "NAME=RUN: the run directory RUN as the arm NAME")
+    parser.add_runs_argument()
     parser.add_argument("--out", type=Path, default=Path("curves.png"))
     parser.add_argument("--val-episodes", type=int, default=512, help="episodes per validation (the interval's n)")
     parser.add_argument("--by-row", action="store_true",

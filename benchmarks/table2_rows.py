@@ -351,9 +351,7 @@ def onset_comparison(arms: dict[str, list[dict]], first: str, second: str, level
 
 def main() -> None:
     parser = RunsParser(description=__doc__)
-    parser.add_argument("directories", type=Path, nargs="+",
-                        help="folders holding one run directory per arm, run directories (one arm each), or "
-                             "NAME=RUN: the run directory RUN as the arm NAME")
+    parser.add_runs_argument()
     parser.add_argument("--val-episodes", type=int, default=512, help="episodes per validation of one arm")
     parser.add_argument("--step", type=int, help="the validation step to compare at (default: the last one that "
                                                  "every arm reached)")
