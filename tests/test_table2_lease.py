@@ -326,52 +326,45 @@ def test_the_300_step_studys_lease_script_runs_its_readmes_eighth_lease(tmp_path
 
 @pytest.mark.parametrize("lease, names, estimator, kl_loss", [
     ("## Lease 9", ["spa_grpo_guard_s1", "spa_grpo_guard_s2"], "grpo", False),
-    ("## Lease 10", ["spa_kl_3e-5_s1", "spa_kl_3e-5_s2"], "gae", True)], ids=["ninth", "tenth"])
+    ("## Lease 10", ["spa_kl_3e-5_s1", "spa_kl_3e-5_s2"], "gae", True),
+    ("## Lease 15", ["spa_grpo_guard_s4", "spa_grpo_guard_s5"], "grpo", False)], ids=["ninth", "tenth", "fifteenth"])
 def test_the_lease_script_runs_its_readmes_own_prompt_leases_one_arm_a_gpu_with_the_larger_share(
         tmp_path, lease, names, estimator, kl_loss):
-    """Leases 9 (as it ran) and 10: SPA in its own prompts, one arm alone on each GPU after the world-model SFT, each
-    arm's memory share SHARE; lease.sh's OVERRIDES with it compose and pass the PPO checks, under grpo_guard (lease
-    9) and under gae_kl_3e-5 (lease 10: a critic and the reference model's KL loss beside the actor)."""
+    """Leases 9 (as it ran), 10 and 15: SPA in its own prompts, one arm alone on each GPU after the world-model SFT,
+    each arm's memory share SHARE; lease.sh's OVERRIDES with it compose and pass the PPO checks, under grpo_guard
+    (leases 9 and 15) and under gae_kl_3e-5 (lease 10: a critic and the reference model's KL loss beside the actor).
+    Lease 15's SHARING=0 leaves out the sharing overrides (decode batch size, update micro-batch budgets), so its
+    arms run with the preset's own."""
     command = study_readme_from(lease)
     arms, share = re.search(r'ARMS="([^"]+)"', command).group(1), re.search(r"SHARE=([0-9.]+)", command).group(1)
-    work, study = run_lease_script(tmp_path, BENCH="0", ARMS=arms, STEPS="275", SHARE=share)
-    overrides = lease_overrides(study, share)
+    line = re.search(r"^BENCH=.*$", command, re.M).group(0)  # the lease's command
+    sharing = re.search(r"SHARING=(\d)", line).group(1) if "SHARING=" in line else "1"
+    assert (lease == "## Lease 15") == (sharing == "0")
+    work, study = run_lease_script(tmp_path, BENCH="0", ARMS=arms, STEPS="275", SHARE=share, SHARING=sharing)
+    overrides = lease_overrides(study, share, sharing=sharing == "1")
+    assert ("generator.batch_size" in overrides) == ("ppo_max_token_len_per_gpu" in overrides) == (sharing == "1")
     log = work / "table2_wm" / "logs"
     assert (log / "gpu_ids").read_text().split() == ["0", "1"]
     assert not (work / "table2_nowm").exists() and not (work / "table2_base").exists()
+    recipes = {name: recipe for name, _, recipe in study300_arms()}
     settings = [line for line in (log / "settings").read_text().splitlines() if line]
     assert [line.split()[0] for line in settings] == names
     assert all(line.endswith(overrides) for line in settings)
-    recipe = {name: recipe for name, _, recipe in study300_arms()}[names[-1]]
-    cfg = compose("_2_sokoban", ["model=smollm2-135m", *SWEEP, *recipe, *overrides.split()])
+    assert settings == [f"{name} {' '.join(recipes[name])} {overrides}" for name in names]
+    cfg = compose("_2_sokoban", ["model=smollm2-135m", *SWEEP, *recipes[names[-1]], *overrides.split()])
     check_config(cfg)
     assert cfg.ctx_manager.mode == "add_worldmodel" and cfg.algorithm.adv_estimator == estimator
     assert cfg.actor_rollout_ref.actor.use_kl_loss == kl_loss and cfg.trainer.cuda_memory_fraction == float(share) > 0.5
+    if sharing == "0":
+        budget = compose("_2_sokoban", ["model=smollm2-135m"]).actor_rollout_ref.actor.ppo_max_token_len_per_gpu
+        assert cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu == budget  # the preset's, not the sharing 16k
 
 
-def test_the_lease_script_runs_its_readmes_fifteenth_lease_without_the_sharing_overrides(tmp_path):
-    """Lease 15: SHARING=0 leaves out lease.sh's sharing overrides (decode batch size, update micro-batch budgets),
-    so the two SPA arms, one alone on each GPU after one world-model SFT, run with the preset's own; they compose and
-    pass the PPO checks. SHARING takes 1 or 0 and nothing else."""
-    command = study_readme_from("## Lease 15")
-    arms, share = re.search(r'ARMS="([^"]+)"', command).group(1), re.search(r"SHARE=([0-9.]+)", command).group(1)
-    assert re.search(r"SHARING=(\d)", command).group(1) == "0"
-    work, study = run_lease_script(tmp_path, BENCH="0", ARMS=arms, STEPS="275", SHARE=share, SHARING="0")
-    overrides = lease_overrides(study, share, sharing=False)
-    assert "generator.batch_size" not in overrides and "ppo_max_token_len_per_gpu" not in overrides
-    log = work / "table2_wm" / "logs"
-    assert (log / "gpu_ids").read_text().split() == ["0", "1"]
-    recipes = {name: recipe for name, _, recipe in study300_arms()}
-    names = ["spa_grpo_guard_s4", "spa_grpo_guard_s5"]
-    settings = [line for line in (log / "settings").read_text().splitlines() if line]
-    assert settings == [f"{name} {' '.join(recipes[name])} {overrides}" for name in names]
-    cfg = compose("_2_sokoban", ["model=smollm2-135m", *SWEEP, *recipes[names[0]], *overrides.split()])
-    check_config(cfg)
-    budget = compose("_2_sokoban", ["model=smollm2-135m"]).actor_rollout_ref.actor.ppo_max_token_len_per_gpu
-    assert cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu == budget  # the preset's, not the sharing 16k
-    assert cfg.ctx_manager.mode == "add_worldmodel" and cfg.trainer.cuda_memory_fraction == float(share) > 0.5
-
-    refused = subprocess.run(["bash", str(study / "lease.sh")], env={**ENV, "ARMS": arms, "SHARING": "no"},
+def test_the_lease_script_refuses_a_sharing_other_than_1_or_0(tmp_path):
+    """SHARING takes 1 or 0 and nothing else: a one-line error (exit 2) before anything runs."""
+    study = REPO / "docs" / "results" / "smollm2_study300"
+    refused = subprocess.run(["bash", str(study / "lease.sh")], env={**ENV, "ARMS": "spa_grpo_guard_s4@0",
+                                                                     "SHARING": "no"},
                              cwd=tmp_path, capture_output=True, text=True)
     assert refused.returncode == 2 and "SHARING takes 1 or 0, got 'no'" in refused.stderr
 
