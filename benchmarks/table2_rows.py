@@ -14,7 +14,8 @@ episodes (seeds × --val-episodes). The seeds validate on the same puzzles, so t
 and the interval is narrower than one that allows for the puzzles; the seeds' own values are printed beside it. Two
 columns: step 0 (the start: Base for Vanilla RL, SFT-only for the others) and --step, by default the last validation
 step that every arm reached, so that every row is compared after the same number of PPO steps.
-Arms that have not validated at that step are left out of a row and named below the table.
+Arms that have not validated at that step are left out of a row and named below the table; a step that no
+arm validated is an error that lists the arms' validation steps.
 Where a row's arms log it (add_worldmodel prompts), the world model's accuracy before and after PPO: the share of
 turns whose observation is exactly the current state, and whose prediction is exactly the next one.
 
@@ -364,7 +365,12 @@ def main() -> None:
                         help="also ROW_A - ROW_B at --step over seeds: Welch's interval, the permutation test")
     args = parser.parse_args()
     arms = read_folders(parser, args.directories)
-    step = common_step(arms, f"val-env/{environment(arms)}/success") if args.step is None else args.step
+    key = f"val-env/{environment(arms)}/success"
+    step = common_step(arms, key) if args.step is None else args.step
+    validated = sorted(set().union(*(curve(records, key) for records in arms.values())))
+    if step not in validated:
+        parser.exit(2, f"error: no arm validated at step {step} (the arms' validation steps: "
+                       f"{', '.join(map(str, validated))})\n")
     observed, stopped = arms, {}
     if args.count_stopped:
         arms, stopped = carry_stopped(arms, args.directories, step)

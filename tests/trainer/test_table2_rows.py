@@ -55,6 +55,15 @@ def test_a_chosen_step_names_the_arms_that_have_not_reached_it(tmp_path):
     assert done.stdout.strip().endswith("not validated at step 50: spa_s1")
 
 
+def test_a_step_no_arm_validated_is_a_one_line_error_that_lists_the_validation_steps(tmp_path):
+    write_arm(tmp_path, "spa_s0", {0: 0.2, 25: 0.25, 50: 0.35})
+    write_arm(tmp_path, "format_s0", {0: 0.2, 25: 0.2})
+    for extra in ([], ["--count-stopped"]):
+        done = run(tmp_path, "--step", "30", *extra)
+        assert done.returncode == 2 and done.stdout == ""
+        assert done.stderr.strip() == "error: no arm validated at step 30 (the arms' validation steps: 0, 25, 50)"
+
+
 def test_no_arms_is_a_one_line_error(tmp_path):
     done = run(tmp_path)
     assert done.returncode == 2 and done.stderr.strip() == f"error: no <arm>/metrics.jsonl under {tmp_path}"
