@@ -181,8 +181,8 @@ def test_the_studys_leases_9_and_12_to_16_run_spa_under_grpo_guard_in_its_own_pr
                            ("nostate_grpo_guard_s1", "nostate", seeded(1)),
                            ("nopred_grpo_guard_s3", "nopred", seeded(3)),
                            ("nostate_grpo_guard_s2", "nostate", seeded(2))]
-    leases15_16 = {name: (start, overrides) for name, start, overrides in study300_arms()[48:]}
-    assert leases15_16 == {f"spa_grpo_guard_s{seed}": ("wm", seeded(seed)) for seed in (4, 5, 6)}
+    leases15_17 = {name: (start, overrides) for name, start, overrides in study300_arms()[48:]}
+    assert leases15_17 == {f"spa_grpo_guard_s{seed}": ("wm", seeded(seed)) for seed in (4, 5, 6, 7)}
 
 
 def test_the_studys_tenth_lease_runs_spa_in_its_own_prompts_under_the_ppo_of_the_format_only_rows_best():
@@ -329,20 +329,21 @@ def test_the_300_step_studys_lease_script_runs_its_readmes_eighth_lease(tmp_path
     ("## Lease 9", ["spa_grpo_guard_s1", "spa_grpo_guard_s2"], "grpo", False),
     ("## Lease 10", ["spa_kl_3e-5_s1", "spa_kl_3e-5_s2"], "gae", True),
     ("## Lease 15", ["spa_grpo_guard_s4"], "grpo", False),
-    ("## Lease 16", ["spa_grpo_guard_s5", "spa_grpo_guard_s6"], "grpo", False)],
-    ids=["ninth", "tenth", "fifteenth", "sixteenth"])
+    ("## Lease 16", ["spa_grpo_guard_s5"], "grpo", False),
+    ("## Lease 17", ["spa_grpo_guard_s6", "spa_grpo_guard_s7"], "grpo", False)],
+    ids=["ninth", "tenth", "fifteenth", "sixteenth", "seventeenth"])
 def test_the_lease_script_runs_its_readmes_own_prompt_leases_one_arm_a_gpu_with_the_larger_share(
         tmp_path, lease, names, estimator, kl_loss):
-    """Leases 9, 15 (as they ran; 15 on one GPU), 10 and 16: SPA in its own prompts, one arm alone on each GPU after
-    the world-model SFT, each arm's memory share SHARE; lease.sh's OVERRIDES with it compose and pass the PPO checks,
-    under grpo_guard (leases 9, 15, 16) and under gae_kl_3e-5 (lease 10: a critic and the reference model's KL loss
-    beside the actor). Leases 15 and 16's SHARING=0 leaves out the sharing overrides (decode batch size, update
-    micro-batch budgets), so their arms run with the preset's own."""
+    """Leases 9, 15, 16 (as they ran; 15 and 16 on one GPU), 10 and 17: SPA in its own prompts, one arm alone on each
+    GPU after the world-model SFT, each arm's memory share SHARE; lease.sh's OVERRIDES with it compose and pass the PPO
+    checks, under grpo_guard (leases 9, 15, 16, 17) and under gae_kl_3e-5 (lease 10: a critic and the reference
+    model's KL loss beside the actor). Leases 15 to 17's SHARING=0 leaves out the sharing overrides (decode batch
+    size, update micro-batch budgets), so their arms run with the preset's own."""
     command = study_readme_from(lease)
     arms, share = re.search(r'ARMS="([^"]+)"', command).group(1), re.search(r"SHARE=([0-9.]+)", command).group(1)
     line = re.search(r"^BENCH=.*$", command, re.M).group(0)  # the lease's command
     sharing = re.search(r"SHARING=(\d)", line).group(1) if "SHARING=" in line else "1"
-    assert (lease in ("## Lease 15", "## Lease 16")) == (sharing == "0")
+    assert (lease in ("## Lease 15", "## Lease 16", "## Lease 17")) == (sharing == "0")
     work, study = run_lease_script(tmp_path, BENCH="0", ARMS=arms, STEPS="275", SHARE=share, SHARING=sharing)
     overrides = lease_overrides(study, share, sharing=sharing == "1")
     assert ("generator.batch_size" in overrides) == ("ppo_max_token_len_per_gpu" in overrides) == (sharing == "1")

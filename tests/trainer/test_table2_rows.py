@@ -300,7 +300,7 @@ def test_the_studys_runs_file_reproduces_its_step_275_comparison():
                         "grpo_guard_s5b, grpo_guard_s7, grpo_guard_s8, grpo_guard_s9, grpo_guard_s11, grpo_guard_s12, "
                         "format_grpo_guard_s4, format_grpo_guard_s5, format_grpo_guard_s5b, vanilla_grpo_guard_s3, "
                         "vanilla_grpo_guard_s4, vanilla_grpo_guard_s5, spa_grpo_guard_s1, spa_grpo_guard_s2, "
-                        "spa_grpo_guard_s3, spa_grpo_guard_s4")
+                        "spa_grpo_guard_s3, spa_grpo_guard_s4, spa_grpo_guard_s5")
     seeds, checkpoints = (line for line in lines if line.startswith("grpo_guard − format_grpo_guard at step 275"))
     assert seeds.startswith("grpo_guard − format_grpo_guard at step 275, over seeds (5 and 6): +0.030, Welch 95% "
                             "interval [-0.045, +0.105] (df 6.1); exact permutation test of the seeds: one-sided "
@@ -339,11 +339,11 @@ def test_the_studys_runs_file_reproduces_its_step_275_comparison():
 
 
 def test_the_studys_runs_file_reproduces_its_own_prompt_rows_step_200_comparison():
-    """docs/smollm2.md's fifteenth lease: SPA with PPO in the world-model SFT's own prompts (four seeds from three SFT
-    checkpoints, leases 9, 12 and 15) against the format-only row at step 200, the last validation all four reached:
-    its SFT-only start, its world model's accuracy before and after PPO, the comparison over seeds and over
-    checkpoints, and its onset against the control's. At step 225 the row is lease 9's two seeds and lease 15's; at
-    step 250 lease 15's seed alone, against the format-only row's seven runs there."""
+    """docs/smollm2.md's sixteenth lease: SPA with PPO in the world-model SFT's own prompts (five seeds from four SFT
+    checkpoints, leases 9, 12, 15 and 16) against the format-only row at step 200, the last validation all five
+    reached: its SFT-only start, its world model's accuracy before and after PPO, the comparison over seeds and over
+    checkpoints, and its onset against the control's. At step 225 the row is lease 9's two seeds, lease 15's and
+    lease 16's; at step 250 lease 15's seed alone, against the format-only row's seven runs there."""
     repo = SCRIPT.parents[1]
     command = [sys.executable, str(SCRIPT), "@docs/results/smollm2_study300/grpo_guard_runs.txt", "--step", "200",
                "--onset", "0.235", "--compare", "spa_grpo_guard", "format_grpo_guard"]
@@ -351,17 +351,17 @@ def test_the_studys_runs_file_reproduces_its_own_prompt_rows_step_200_comparison
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[3].startswith("| format_grpo_guard | 9 | 0.196 [0.185, 0.208] | 0.238 [0.226, 0.251] | +0.042 |")
-    assert lines[4] == ("| spa_grpo_guard | 4 | 0.174 [0.158, 0.191] | 0.372 [0.351, 0.393] | +0.198 | 0.413, 0.351, "
-                        "0.331, 0.392 | 0.998 → 0.725 | 0.259 → 0.010 |")
-    assert ("spa_grpo_guard − format_grpo_guard at step 200, over seeds (4 and 9): +0.133, Welch 95% interval "
-            "[+0.078, +0.189] (df 4.7); exact permutation test of the seeds: one-sided p = 0.001, two-sided "
-            "p = 0.001") in lines
-    assert ("spa_grpo_guard − format_grpo_guard at step 200, over SFT checkpoints (3 and 6): +0.130, Welch 95% "
-            "interval [+0.066, +0.195] (df 3.5); exact permutation test of the SFT checkpoints: one-sided p = 0.012, "
-            "two-sided p = 0.012") in lines
+    assert lines[4] == ("| spa_grpo_guard | 5 | 0.173 [0.159, 0.188] | 0.369 [0.350, 0.388] | +0.196 | 0.413, 0.351, "
+                        "0.331, 0.392, 0.358 | 0.998 → 0.774 | 0.259 → 0.011 |")
+    assert ("spa_grpo_guard − format_grpo_guard at step 200, over seeds (5 and 9): +0.131, Welch 95% interval "
+            "[+0.090, +0.172] (df 7.5); exact permutation test of the seeds: one-sided p = 0.000, two-sided "
+            "p = 0.000") in lines
+    assert ("spa_grpo_guard − format_grpo_guard at step 200, over SFT checkpoints (4 and 6): +0.128, Welch 95% "
+            "interval [+0.086, +0.169] (df 6.6); exact permutation test of the SFT checkpoints: one-sided p = 0.005, "
+            "two-sided p = 0.005") in lines
     assert lines[-1].startswith("onset (success ≥ 0.235 to the last validation), runs without one censored at their "
-                                "last validation: Kaplan–Meier median spa_grpo_guard 50 (4 of 4 runs with an onset), "
-                                "format_grpo_guard 200 (7 of 9 runs with an onset); log-rank z = +3.59")
+                                "last validation: Kaplan–Meier median spa_grpo_guard 50 (5 of 5 runs with an onset), "
+                                "format_grpo_guard 200 (7 of 9 runs with an onset); log-rank z = +3.66")
 
     # docs/smollm2.md's Table 2 at equal PPO steps: every row at step 200, the runs the stop rule ended counted
     counted = subprocess.run([*command[:5], "--count-stopped"], capture_output=True, text=True, cwd=repo)
@@ -371,14 +371,17 @@ def test_the_studys_runs_file_reproduces_its_own_prompt_rows_step_200_comparison
         "| grpo_guard | 10 | 0.006 [0.004, 0.008] | 0.233 [0.222, 0.245]",
         "| format_grpo_guard | 9 | 0.196 [0.185, 0.208] | 0.238 [0.226, 0.251]",
         "| vanilla_grpo_guard | 3 | 0.000 [0.000, 0.002] | 0.000 [0.000, 0.002]",
-        "| spa_grpo_guard | 4 | 0.174 [0.158, 0.191] | 0.372 [0.351, 0.393]",
+        "| spa_grpo_guard | 5 | 0.173 [0.159, 0.188] | 0.369 [0.350, 0.388]",
         "| nopred_grpo_guard | 1 | 0.089 [0.067, 0.117] | 0.371 [0.330, 0.414]"]
 
     at_225 = subprocess.run([*command[:4], "225", *command[5:]], capture_output=True, text=True, cwd=repo)
     assert at_225.returncode == 0, at_225.stderr
-    assert ("spa_grpo_guard − format_grpo_guard at step 225, over seeds (3 and 9): +0.150, Welch 95% interval "
-            "[+0.077, +0.223] (df 3.7); exact permutation test of the seeds: one-sided p = 0.005, two-sided "
-            "p = 0.005") in at_225.stdout.splitlines()
+    assert ("spa_grpo_guard − format_grpo_guard at step 225, over seeds (4 and 9): +0.144, Welch 95% interval "
+            "[+0.094, +0.194] (df 7.2); exact permutation test of the seeds: one-sided p = 0.001, two-sided "
+            "p = 0.001") in at_225.stdout.splitlines()
+    assert ("spa_grpo_guard − format_grpo_guard at step 225, over SFT checkpoints (3 and 6): +0.145, Welch 95% "
+            "interval [+0.111, +0.179] (df 7.0); exact permutation test of the SFT checkpoints: one-sided p = 0.012, "
+            "two-sided p = 0.012") in at_225.stdout.splitlines()
 
     at_250 = subprocess.run([*command[:4], "250", *command[5:]], capture_output=True, text=True, cwd=repo)
     assert at_250.returncode == 0, at_250.stderr
@@ -412,6 +415,6 @@ def test_the_studys_runs_file_reproduces_the_nopred_ablations_comparisons():
                                 "last validation: Kaplan–Meier median nopred_grpo_guard 100 (1 of 1 runs with an "
                                 "onset), format_grpo_guard 200 (7 of 9 runs with an onset); log-rank z = +3.00")
     lines = compare("225", "spa_grpo_guard", "nopred_grpo_guard")
-    assert ("spa_grpo_guard − nopred_grpo_guard at step 225, over seeds (3 and 1): +0.015; one seed in row "
+    assert ("spa_grpo_guard − nopred_grpo_guard at step 225, over seeds (4 and 1): +0.009; one seed in row "
             "nopred_grpo_guard: no interval over seeds (Welch's needs two a row); exact permutation test of the "
-            "seeds: one-sided p = 0.500, two-sided p = 0.750") in lines
+            "seeds: one-sided p = 0.600, two-sided p = 1.000") in lines
