@@ -39,6 +39,7 @@ NUMBERS = (
     ("algorithm.gamma", 0, 1, False), ("algorithm.lam", 0, 1, False), ("algorithm.high_level_gamma", 0, 1, False),
     ("algorithm.kl_ctrl.kl_coef", 0, None, False),
     ("trainer.diagnostics.mi_freq", 0, None, True), ("trainer.diagnostics.mi_samples", 0, None, True),
+    ("trainer.diagnostics.kl_freq", 0, None, True),
     ("trainer.max_wall_s", 0, None, False), ("trainer.cuda_memory_fraction", 0, 1, False),
     ("trainer.stop_after_uniform_scores", 1, None, True), ("trainer.log_val_generations", 0, None, True),
     ("actor_rollout_ref.actor.sft_aux_coef", 0, None, False), ("actor_rollout_ref.actor.sft_aux_rows", 1, None, True),
@@ -206,6 +207,9 @@ def _check_trainer(cfg: DictConfig) -> None:
         raise ValueError(f"unknown trainer.resume_mode {trainer.resume_mode!r}; choose one of {list(RESUME_MODES)}")
     if trainer.test_freq > 0 and trainer.validation_steps < 1:
         raise ValueError("trainer.validation_steps must be >= 1 when trainer.test_freq > 0")
+    test_steps = check_list(cfg, "trainer.test_steps", int, "[225,275]")
+    if any(step < 1 for step in test_steps):
+        raise ValueError(f"trainer.test_steps lists training steps (1 and up) to validate at, got {test_steps}")
     merged = trainer.get("save_merged_lora", True)
     if not isinstance(merged, bool):
         raise ValueError(f"trainer.save_merged_lora must be True or False, got {merged!r}")

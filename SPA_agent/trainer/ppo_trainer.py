@@ -8,7 +8,8 @@ peak memory, `memory_gb/<phase>`, and the memory the process holds, `memory_gb/r
                    algorithm.drop_zero_variance_groups, drop those whose scores are all equal; a step left with
                    none skips the phases below); response_mask := loss_mask
     old_log_prob   actor log-probs of the batch (and entropies)
-    ref            reference log-probs (when a reference model exists)
+    ref            reference log-probs (when a reference model exists: every step for a KL loss or KL-in-reward,
+                   else every trainer.diagnostics.kl_freq steps for the diagnostics' KL to the reference)
     diagnostics    span entropies, KL to the reference; every trainer.diagnostics.mi_freq steps the input
                    dependence of the reasoning (one extra log-prob pass; diagnostics.py, docs/diagnostics.md)
     values         critic values (GAE only: the other estimators have no critic)
@@ -16,7 +17,7 @@ peak memory, `memory_gb/<phase>`, and the memory the process holds, `memory_gb/r
     update_critic  clipped value loss, one pass of mini-batches (GAE only)
     update_actor   clipped policy loss − entropy bonus (+ KL loss), after critic_warmup steps
     testing        validation rollouts (`val-env/*`; world-model accuracy in add_worldmodel prompts) every test_freq
-                   steps and at the last step
+                   steps, at the steps trainer.test_steps lists and at the last step
     save_checkpoint  every save_freq steps, at the last step, and at the step that runs past trainer.max_wall_s
 """
 
@@ -26,7 +27,7 @@ import time
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 from verl import DataProto
 from verl.trainer.ppo import core_algos
@@ -84,6 +85,7 @@ class PPOTrainer:
         self.total_steps = int(cfg.trainer.total_training_steps)
         self.kl_ctrl = core_algos.get_kl_controller(cfg.algorithm.kl_ctrl)
         self.use_critic = algos.needs_critic(cfg.algorithm.adv_estimator)
+        self.test_steps = set(cfg.trainer.get("test_steps") or ())
         self.global_step = 0
         self.uniform_streak = 0  # steps in a row whose rollout scored every trajectory the same (this call's)
         self.last_uniform_score: float | None = None  # that score, at the last step
@@ -108,7 +110,7 @@ class PPOTrainer:
                 metrics = self.train_step(step, timer)
                 signal_lost = max_uniform is not None and self.uniform_streak >= max_uniform
                 last = step == self.total_steps or signal_lost
-                if trainer_cfg.test_freq > 0 and (step % trainer_cfg.test_freq == 0 or last):
+                if trainer_cfg.test_freq > 0 and (step % trainer_cfg.test_freq == 0 or step in self.test_steps or last):
                     with timer("testing"):
                         metrics.update(self.validate(step))
                 self.global_step = step
@@ -138,7 +140,7 @@ class PPOTrainer:
             return metrics
         with timer("old_log_prob"):
             batch = batch.union(self.backend.compute_log_prob(batch))
-        if self.backend.has_ref:
+        if self.backend.has_ref and self.ref_due(step):
             with timer("ref"):
                 batch = batch.union(self.backend.compute_ref_log_prob(batch))
         if self.diagnostics is not None:
@@ -161,6 +163,15 @@ class PPOTrainer:
         return metrics
 
     # ---------------------------------------------------------------- phases
+
+    def ref_due(self, step: int) -> bool:
+        """Whether the reference pass runs at `step`: every step when a KL loss or KL-in-reward reads it, else every
+        trainer.diagnostics.kl_freq steps (0 = never), for the diagnostics' KL to the reference (`diag/kl_ref/*`),
+        which is all it feeds then: at ~0.2 s a step of SmolLM2's ~5 s, a run can measure it less often."""
+        if self.cfg.actor_rollout_ref.actor.use_kl_loss or self.cfg.algorithm.use_kl_in_reward:
+            return True
+        kl_freq = int(OmegaConf.select(self.cfg, "trainer.diagnostics.kl_freq", default=1))
+        return kl_freq > 0 and step % kl_freq == 0
 
     def filter_batch(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
         """StarPO-S filter, then the training view of the batch: `response_mask := loss_mask`.
