@@ -166,6 +166,13 @@ def _check_batch_sizes(cfg: DictConfig) -> None:
 
 def _check_algorithm(cfg: DictConfig) -> None:
     algo, actor = cfg.algorithm, cfg.actor_rollout_ref.actor
+    if "old_log_prob_from_update" in actor:
+        check_choice(cfg, "actor_rollout_ref.actor.old_log_prob_from_update", (True, False))
+    if actor.get("old_log_prob_from_update") and (cfg.trainer.backend != "local" or actor.ppo_epochs != 1 or algo.use_kl_in_reward):
+        raise ValueError("actor_rollout_ref.actor.old_log_prob_from_update=True takes the old log-probs from the "
+                         "update's forward: it needs trainer.backend=local, actor.ppo_epochs=1 and no "
+                         f"algorithm.use_kl_in_reward (got {cfg.trainer.backend}, {actor.ppo_epochs}, "
+                         f"{algo.use_kl_in_reward})")
     filter_type = cfg.actor_rollout_ref.rollout.rollout_filter_type
     if filter_type not in ROLLOUT_FILTERS:
         raise ValueError(f"unknown rollout_filter_type {filter_type!r}; choose one of {sorted(ROLLOUT_FILTERS)}")

@@ -7,7 +7,8 @@ peak memory, `memory_gb/<phase>`, and the memory the process holds, `memory_gb/r
     filter         StarPO-S: keep the groups with the most spread-out scores (then, with
                    algorithm.drop_zero_variance_groups, drop those whose scores are all equal; a step left with
                    none skips the phases below); response_mask := loss_mask
-    old_log_prob   actor log-probs of the batch (and entropies)
+    old_log_prob   actor log-probs of the batch (and entropies); with actor.old_log_prob_from_update, where the
+                   update is the step's only optimizer step, none: update_actor's forward gives them
     ref            reference log-probs (when a reference model exists: every step for a KL loss or KL-in-reward,
                    else every trainer.diagnostics.kl_freq steps for the diagnostics' KL to the reference)
     diagnostics    span entropies, KL to the reference; every trainer.diagnostics.mi_freq steps the input
@@ -138,14 +139,19 @@ class PPOTrainer:
         metrics.update(filter_metrics)
         if len(batch) == 0:  # every group dropped by algorithm.drop_zero_variance_groups: nothing to learn from
             return metrics
-        with timer("old_log_prob"):
-            batch = batch.union(self.backend.compute_log_prob(batch))
+        from_update = self.old_log_prob_from_update(step, batch)
+        if not from_update:
+            with timer("old_log_prob"):
+                batch = batch.union(self.backend.compute_log_prob(batch))
         if self.backend.has_ref and self.ref_due(step):
             with timer("ref"):
                 batch = batch.union(self.backend.compute_ref_log_prob(batch))
         if self.diagnostics is not None:
             with timer("diagnostics"):
-                metrics.update(self.diagnostics.step_metrics(batch, rollout.batch, step))
+                if not from_update:
+                    metrics.update(self.diagnostics.step_metrics(batch, rollout.batch, step))
+                elif self.diagnostics.due(step):  # the policy that sampled; its span metrics follow the update
+                    metrics.update(self.diagnostics.input_dependence(rollout.batch, step))
         if self.use_critic:
             with timer("values"):
                 batch = batch.union(self.backend.compute_values(batch))
@@ -157,12 +163,23 @@ class PPOTrainer:
         if step > self.cfg.trainer.critic_warmup:
             with timer("update_actor"):
                 metrics.update(self.backend.update_actor(batch))
+        if from_update and self.diagnostics is not None:
+            with timer("diagnostics"):
+                metrics.update(self.diagnostics.batch_metrics(batch))
         metrics.update(data_metrics(batch))
         metrics.update(self.backend.step_timings())
         metrics["perf/total_num_tokens"] = float(batch.batch["attention_mask"].sum())
         return metrics
 
     # ---------------------------------------------------------------- phases
+
+    def old_log_prob_from_update(self, step: int, batch: DataProto) -> bool:
+        """Whether the update's forward gives this step's old log-probs (actor.old_log_prob_from_update): where it
+        is the step's only optimizer step (one epoch, checked with the config; the kept batch one mini-batch) and
+        the actor updates at all (not a critic warm-up step)."""
+        actor = self.cfg.actor_rollout_ref.actor
+        return (bool(actor.get("old_log_prob_from_update")) and len(batch) <= actor.ppo_mini_batch_size
+                and step > self.cfg.trainer.critic_warmup)
 
     def ref_due(self, step: int) -> bool:
         """Whether the reference pass runs at `step`: every step when a KL loss or KL-in-reward reads it, else every

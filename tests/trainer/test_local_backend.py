@@ -151,3 +151,32 @@ def test_save_then_load_restores_weights_and_optimizer(ppo_config, tiny_tokenize
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "actor").config.model_type == "qwen2"
     critic = AutoModelForTokenClassification.from_pretrained(tmp_path / "ckpt" / "critic")
     assert critic.config.num_labels == 1
+
+
+def test_an_update_without_old_log_probs_takes_them_from_its_forward(ppo_config, tiny_tokenizer, make_batch):
+    """actor.old_log_prob_from_update: one mini-batch of three rows in micro-batches of 1, 2 rows (a token budget
+    that splits them unevenly), no old log-probs given: the update adds the ones `compute_log_prob` gives, token
+    for token in the batch's row order, with their entropies, and moves the weights as the update that was given
+    them (its PPO ratio, 1 up to rounding there, is exactly 1 here)."""
+    results = []
+    for given in (True, False):
+        cfg = ppo_config("_2_sokoban", "ppo_mini_batch_size=3", "ppo_max_token_len_per_gpu=24",
+                         "log_prob_max_token_len_per_gpu=4096")
+        backend = LocalBackend(cfg, tiny_tokenizer)
+        batch = _training_batch(backend, make_batch(),
+                                advantages=torch.randn(3, 11, generator=torch.Generator().manual_seed(0)))
+        expected = {key: batch.batch[key].clone() for key in ("old_log_probs", "entropys")}
+        if not given:
+            batch.pop(batch_keys=["old_log_probs", "entropys"])
+        metrics = backend.update_actor(batch)
+        results.append((metrics, [p.detach().clone() for p in backend.actor.model.parameters()]))
+        real = batch.batch["attention_mask"][:, 1:].bool()
+        for key, tensor in expected.items():
+            torch.testing.assert_close(batch.batch[key][real], tensor[real], rtol=1e-5, atol=1e-6, msg=key)
+    assert sorted(len(rows) for rows in backend._plan(batch, 1, True, 24)) == [1, 2]
+    (m_given, p_given), (m_forward, p_forward) = results
+    assert m_forward["actor/ppo_kl"] == 0.0
+    for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+        assert abs(m_given[key] - m_forward[key]) <= 1e-5 * max(1.0, abs(m_given[key])), key
+    for a, b in zip(p_given, p_forward):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

@@ -321,16 +321,22 @@ class LocalBackend:
         self.critic.scheduler.step()
         return {**_mean_metrics(steps), **_mean_metrics(micro_rows), "critic/lr": self.critic.scheduler.get_last_lr()[0]}
 
-    def _actor_micro_loss(self, mb: dict, norm: dict) -> tuple[torch.Tensor, dict[str, float]]:
-        """PPO loss of one micro-batch: clipped policy loss − entropy bonus (+ KL loss), and its metrics."""
+    def _actor_micro_loss(self, mb: dict, norm: dict, forward: list | None = None) -> tuple[torch.Tensor, dict]:
+        """PPO loss of one micro-batch: clipped policy loss − entropy bonus (+ KL loss), and its metrics. Without
+        `old_log_probs` in `mb` (the old log-probs from this forward), its log-probs and entropies, detached, are
+        appended to `forward`."""
         cfg = self.cfg.actor_rollout_ref.actor
         mask = mb["response_mask"]
         with lm.autocast(self.device):
             log_prob, entropy = lm.token_log_probs(self.actor.model, mb, self.temperature, with_entropy=True,
                                                    packed=self.packed_actor)
+        old_log_prob = mb.get("old_log_probs")
+        if old_log_prob is None:
+            old_log_prob = log_prob.detach()
+            forward.append((old_log_prob, entropy.detach()))
         self.policy_loss_cfg.global_batch_info.update(norm)
         pg_loss, pg_metrics = self.policy_loss_fn(
-            old_log_prob=mb["old_log_probs"], log_prob=log_prob, advantages=mb["advantages"],
+            old_log_prob=old_log_prob, log_prob=log_prob, advantages=mb["advantages"],
             response_mask=mask, loss_agg_mode=cfg.loss_agg_mode, config=self.policy_loss_cfg,
         )
         entropy_loss = core_algos.agg_loss(entropy, mask, cfg.loss_agg_mode, **norm)
@@ -358,12 +364,21 @@ class LocalBackend:
 
     def update_actor(self, batch: DataProto) -> dict[str, float]:
         """PPO clipped policy update (core_algos policy loss, asymmetric + dual clip), AdamW, grad clip; plus the
-        SFT loss of `sft_aux_rows` SFT rows a mini-batch when sft_aux_coef > 0."""
+        SFT loss of `sft_aux_rows` SFT rows a mini-batch when sft_aux_coef > 0.
+
+        A batch without `old_log_probs` (actor.old_log_prob_from_update: one epoch, one mini-batch) takes them from
+        the update's forward, before its only optimizer step, and gets them added with their `entropys`, as
+        `compute_log_prob` would have given them."""
         cfg = self.cfg.actor_rollout_ref.actor
         update = self.actor.scheduler.last_epoch  # updates so far: restored with the checkpoint's schedule
         self.actor.model.train()
-        keys = (*lm.MODEL_INPUT_KEYS, "old_log_probs", "advantages", "response_mask")
+        from_update = "old_log_probs" not in batch.batch.keys()
+        if from_update and (cfg.ppo_epochs != 1 or len(batch) > cfg.ppo_mini_batch_size):
+            raise ValueError("old log-probs from the update's forward need one epoch and one mini-batch")
+        keys = (*lm.MODEL_INPUT_KEYS, "advantages", "response_mask") + (() if from_update else ("old_log_probs",))
         keys += ("ref_log_prob",) if cfg.use_kl_loss else ()
+        forward: list[tuple[torch.Tensor, torch.Tensor]] = []
+        plans: list[list[int]] = []
         summed = ("actor/pg_loss", "actor/entropy", "actor/kl_loss")
         steps, micro_rows = [], []
         with self._kernels(self.actor.model):
@@ -372,8 +387,9 @@ class LocalBackend:
                 totals: dict[str, float] = {}
                 plan = self._plan(mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
                                   cfg.ppo_max_token_len_per_gpu)
+                plans.append(plan)
                 for mb in lm.micro_batches(mini, plan, keys, self.device):
-                    loss, metrics = self._actor_micro_loss(mb, norm)
+                    loss, metrics = self._actor_micro_loss(mb, norm, forward)
                     loss.backward()
                     for key in summed:
                         if key in metrics:
@@ -384,6 +400,9 @@ class LocalBackend:
                 steps.append({**totals, "actor/grad_norm": self.actor.clip_and_step()})
         self.actor.scheduler.step()
         self._refresh_generator_weights()
+        if from_update:  # one mini-batch: its plan covers the batch
+            batch.batch["old_log_probs"] = self._in_batch_order([lp for lp, _ in forward], plans[0])
+            batch.batch["entropys"] = self._in_batch_order([ent for _, ent in forward], plans[0])
         return {**_mean_metrics(steps), **_mean_metrics(micro_rows), "actor/lr": self.actor.scheduler.get_last_lr()[0]}
 
     # ---------------------------------------------------------------- checkpoints
