@@ -168,7 +168,8 @@ def _check_algorithm(cfg: DictConfig) -> None:
     algo, actor = cfg.algorithm, cfg.actor_rollout_ref.actor
     if "old_log_prob_from_update" in actor:
         check_choice(cfg, "actor_rollout_ref.actor.old_log_prob_from_update", (True, False))
-    if actor.get("old_log_prob_from_update") and (cfg.trainer.backend != "local" or actor.ppo_epochs != 1 or algo.use_kl_in_reward):
+    from_update = actor.get("old_log_prob_from_update")
+    if from_update and (cfg.trainer.backend != "local" or actor.ppo_epochs != 1 or algo.use_kl_in_reward):
         raise ValueError("actor_rollout_ref.actor.old_log_prob_from_update=True takes the old log-probs from the "
                          "update's forward: it needs trainer.backend=local, actor.ppo_epochs=1 and no "
                          f"algorithm.use_kl_in_reward (got {cfg.trainer.backend}, {actor.ppo_epochs}, "

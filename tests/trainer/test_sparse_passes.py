@@ -55,7 +55,8 @@ def test_a_kl_loss_reads_the_reference_every_step_whatever_kl_freq(ppo_config, t
     ("trainer.diagnostics.kl_freq=-1", r"trainer\.diagnostics\.kl_freq"),
     ("trainer.diagnostics.kl_freq=abc", r"trainer\.diagnostics\.kl_freq"),
     ("trainer.test_steps=[0,275]", r"trainer\.test_steps lists training steps \(1 and up\)"),
-    ("trainer.test_steps=225", r"trainer\.test_steps must be a list of integers such as trainer\.test_steps=\[225,275\]"),
+    ("trainer.test_steps=225", r"trainer\.test_steps must be a list of integers such as "
+                               r"trainer\.test_steps=\[225,275\]"),
 ])
 def test_bad_schedules_are_one_line_errors_naming_the_key(ppo_config, override, message):
     with pytest.raises(ValueError, match=message):
