@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from tqdm.auto import tqdm
 from verl import DataProto
 from verl.trainer.ppo import core_algos
@@ -86,7 +86,10 @@ class PPOTrainer:
         self.total_steps = int(cfg.trainer.total_training_steps)
         self.kl_ctrl = core_algos.get_kl_controller(cfg.algorithm.kl_ctrl)
         self.use_critic = algos.needs_critic(cfg.algorithm.adv_estimator)
-        self.test_steps = set(cfg.trainer.get("test_steps") or ())
+        self.test_steps = set(cfg.trainer.test_steps)
+        # the reference pass's every-step readers; without them it runs every diagnostics.kl_freq steps (0 = never)
+        self.ref_every_step = bool(cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
+        self.kl_freq = int(cfg.trainer.diagnostics.kl_freq)
         self.global_step = 0
         self.uniform_streak = 0  # steps in a row whose rollout scored every trajectory the same (this call's)
         self.last_uniform_score: float | None = None  # that score, at the last step
@@ -185,10 +188,7 @@ class PPOTrainer:
         """Whether the reference pass runs at `step`: every step when a KL loss or KL-in-reward reads it, else every
         trainer.diagnostics.kl_freq steps (0 = never), for the diagnostics' KL to the reference (`diag/kl_ref/*`),
         which is all it feeds then: at ~0.2 s a step of SmolLM2's ~5 s, a run can measure it less often."""
-        if self.cfg.actor_rollout_ref.actor.use_kl_loss or self.cfg.algorithm.use_kl_in_reward:
-            return True
-        kl_freq = int(OmegaConf.select(self.cfg, "trainer.diagnostics.kl_freq", default=1))
-        return kl_freq > 0 and step % kl_freq == 0
+        return self.ref_every_step or (self.kl_freq > 0 and step % self.kl_freq == 0)
 
     def filter_batch(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
         """StarPO-S filter, then the training view of the batch: `response_mask := loss_mask`.
